@@ -1,0 +1,23 @@
+"""MegaMoE-Train: fused expert-parallel Mixture-of-Experts over symmetric memory."""
+
+from .autograd import mega_moe
+from .config import MegaMoEConfig
+from .layer import MegaMoELayer
+from .precision import RECIPES, PrecisionRecipe
+from .symm_buffer import SymmBuffer, destroy_all_symm_buffers, get_symm_buffer
+from .validation import MegaMoEInputError
+from .weights import ExpertWeights, transform_weights
+
+__all__ = [
+    "ExpertWeights",
+    "MegaMoEConfig",
+    "MegaMoEInputError",
+    "MegaMoELayer",
+    "PrecisionRecipe",
+    "RECIPES",
+    "SymmBuffer",
+    "destroy_all_symm_buffers",
+    "get_symm_buffer",
+    "mega_moe",
+    "transform_weights",
+]

@@ -1,0 +1,78 @@
+"""mega_moe: the differentiable fused MoE call, and its autograd function."""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import Backend, resolve_backend
+from .symm_buffer import SymmBuffer
+from .validation import check_inputs
+from .weights import deinterleave_gate_up, transform_weights
+
+
+class MegaMoEFunction(torch.autograd.Function):
+    """Forward and backward each run one pass of the backend's protocol over the buffer."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats):
+        weights = transform_weights(w1, w2, buffer.config)
+        shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
+        y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None)
+        ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
+        ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
+        ctx.mark_non_differentiable(topk_idx)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        buffer = ctx.buffer
+        grad_y = grad_y.to(buffer.config.dtype).contiguous()
+        grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(buffer, ctx.saved, grad_y, ctx.weights, ctx.shared)
+        grad_w1 = deinterleave_gate_up(grad_w1, ctx.weights.chunk)  # back to Megatron's [gate; up] order
+        dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
+        ctx.saved = None
+        return (
+            grad_x,
+            None,
+            grad_tw,
+            grad_w1.to(dt_w1),
+            grad_w2.to(dt_w2),
+            None if grad_sw1 is None else grad_sw1.to(dt_sw1),
+            None if grad_sw2 is None else grad_sw2.to(dt_sw2),
+            None,
+            None,
+            None,
+        )
+
+
+def mega_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    buffer: SymmBuffer,
+    *,
+    shared_w1: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    recv_stats: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Expert-parallel MoE over the group of `buffer`: dispatch by pull, two expert GEMMs with
+    SwiGLU, combine by push.
+
+    x [T, H] (config.dtype), topk_idx [T, K] int64 global expert ids (-1 = masked slot),
+    topk_weights [T, K] float32, w1 [E_local, 2I, H] (gate rows, then up rows), w2 [E_local, H, I]:
+    this rank's experts [rank*E_local, (rank+1)*E_local). Returns
+    y[t] = sum_k topk_weights[t,k] * expert_{topk_idx[t,k]}(x[t]) (+ shared experts(x[t])).
+    Differentiable in x, topk_weights, w1, w2 and the shared weights. recv_stats (int64 [E_local])
+    is increased by the rows each local expert received. Collective: every rank of the group calls
+    it; bad input on any rank raises MegaMoEInputError on every rank.
+    """
+    be: Backend = resolve_backend(backend, buffer.device)
+    problem = check_inputs(
+        buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device
+    )
+    if problem is not None:  # still take part in the status exchange so peers fail too
+        be.forward(buffer, None, None, None, None, None, None, problem)
+    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats)

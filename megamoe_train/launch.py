@@ -1,0 +1,44 @@
+"""Start one process per rank with torch.distributed initialized (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo"):
+    """Join the default process group of a single-host job."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    init_rank(rank, world_size, port, backend)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        from .symm_buffer import destroy_all_symm_buffers
+
+        destroy_all_symm_buffers()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, args: tuple = (), backend: str = "gloo"):
+    """Run fn(rank, world_size, *args) on world_size new processes; raises if any rank fails."""
+    mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True)

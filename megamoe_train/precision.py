@@ -1,0 +1,61 @@
+"""Precision recipes: how activations and expert weights are stored and scaled.
+
+Every backend reads the numerics of a recipe from here, so "fp8" means the same thing in the
+reference oracle, the GPU kernels and the weight transforms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    """Storage format of one recipe.
+
+    act_format / weight_format: "native" (the config's compute dtype), "e4m3" or "e2m1".
+    act_block: scale block length along the reduction (last) dim of an activation row.
+    weight_block: (rows, cols) of one weight scale block, cols along the reduction dim.
+    scale_format: "fp32" (any float scale) or "ue8m0" (power of two, stored as a biased
+    8-bit exponent).
+    gate_up_chunk: fc1 rows are interleaved gate/up in chunks of this many rows, so one
+    N-tile of the L1 GEMM holds matching gate and up columns. fp8 keeps whole 128-row
+    scale blocks per chunk.
+    """
+
+    name: str
+    act_format: str
+    act_block: int
+    weight_format: str
+    weight_block: tuple[int, int]
+    scale_format: str
+    gate_up_chunk: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.act_format != "native"
+
+    def act_storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype if self.act_format == "native" else torch.float8_e4m3fn
+
+    @property
+    def scale_storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.scale_format == "ue8m0" else torch.float32
+
+
+RECIPES: dict[str, PrecisionRecipe] = {
+    "bf16": PrecisionRecipe("bf16", "native", 0, "native", (0, 0), "none", 8),
+    # DeepSeek-V3 training recipe: 1x128 per-token activation blocks, 128x128 weight blocks.
+    "fp8": PrecisionRecipe("fp8", "e4m3", 128, "e4m3", (128, 128), "fp32", 128),
+    # MX recipe of the seeds: E4M3 activations and E2M1 weights, 1x32 power-of-two scales.
+    "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
+}
+
+
+def get_recipe(name: str) -> PrecisionRecipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(f"recipe: unknown recipe {name!r}; choose one of {sorted(RECIPES)}") from None

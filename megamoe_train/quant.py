@@ -1,0 +1,259 @@
+"""Block-scaled quantization: the one place where the numerics of every recipe live.
+
+The reference oracle, the weight transforms and the tests all call these functions, so a
+GPU kernel that matches them bit for bit matches the recipe. Everything here is plain torch
+(float32 math, no custom kernels) and works on CPU and CUDA tensors with any leading dims.
+
+Storage, per recipe (see precision.py):
+  * native: the tensor itself, no scales.
+  * e4m3 + fp32 scales: scale = max(amax, 1e-4) / 448 per block, data float8_e4m3fn.
+  * e4m3 / e2m1 + ue8m0 scales: scale = 2**ceil(log2(amax / max_value)), a power of two
+    stored as its biased exponent (uint8, exponent + 127). Rounding the exponent up means
+    no element of a block ever exceeds the format's largest value.
+  * e2m1 (FP4) codes are sign << 3 | magnitude index, two per byte, the even element in
+    the low nibble.
+
+Quantizing a dequantized tensor always gives back the same values. With fp32 scales it also
+gives the same bits; with ue8m0 scales a block whose largest element rounded down onto half
+the format's max (224 or 3) comes back with half the scale and doubled codes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .precision import PrecisionRecipe
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# Magnitudes of the eight E2M1 codes; index = (exponent << 1) | mantissa.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring E2M1 magnitudes; a value on one of them is a tie.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+_FP32_SCALE_MIN_AMAX = 1e-4  # keeps fp32 scales away from 0 so all-zero blocks stay 0
+_UE8M0_MIN_AMAX = 2.0**-126  # smallest normal float32: keeps frexp exact for zero blocks
+_UE8M0_BIAS = 127
+_FORMAT_MAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX}
+
+
+# ----------------------------------------------------------------------------- ue8m0 scales
+
+
+def ue8m0_to_float(u8: torch.Tensor) -> torch.Tensor:
+    """Decode biased exponents (uint8) to float32 powers of two, bit-exactly.
+
+    Built from the float32 bit pattern rather than exp2 so the result cannot depend on a
+    device's math library: 1..254 are normal numbers, 0 is the subnormal 2**-127 and 255 is
+    NaN, as in the OCP MX format.
+    """
+    if u8.dtype != torch.uint8:
+        raise ValueError(f"ue8m0_to_float: expected a uint8 tensor, got {u8.dtype}")
+    biased = u8.to(torch.int32)
+    bits = torch.where(biased > 0, biased << 23, torch.full_like(biased, 1 << 22))
+    bits = torch.where(biased == 255, torch.full_like(biased, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Encode positive scales as biased exponents (uint8), rounding up to a power of two.
+
+    Rounding up (never down) keeps the guarantee that data / scale stays in range.
+    Exponents outside [-127, 127] are clamped.
+    """
+    if not scale.is_floating_point():
+        raise ValueError(f"float_to_ue8m0: expected a floating tensor, got {scale.dtype}")
+    mantissa, exponent = torch.frexp(scale.float())
+    # scale = m * 2**e with m in [0.5, 1): an exact power of two has m == 0.5.
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return _biased(exponent)
+
+
+def _biased(exponent: torch.Tensor) -> torch.Tensor:
+    return (exponent.clamp(-_UE8M0_BIAS, _UE8M0_BIAS) + _UE8M0_BIAS).to(torch.uint8)
+
+
+def _pow2_exponent_above(amax: torch.Tensor, max_value: float) -> torch.Tensor:
+    """ceil(log2(amax / max_value)) computed exactly from frexp, without a rounded divide.
+
+    With amax = m * 2**e and max_value = mv * 2**ev (m, mv in [0.5, 1)), the ratio is
+    (m / mv) * 2**(e - ev) and m / mv lies in (0.5, 2), so the ceiling is e - ev, plus one
+    when m > mv. torch.log2 could round a value just above a power of two down to it and
+    let the block's largest element overflow.
+    """
+    m, e = torch.frexp(amax)
+    mv, ev = math.frexp(max_value)
+    return e - ev + (m > mv).to(e.dtype)
+
+
+def _block_scales(amax: torch.Tensor, fmt: str, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale as float32 for the math, scale as stored) for float32 block maxima."""
+    max_value = _FORMAT_MAX[fmt]
+    if scale_format == "fp32":
+        scale = amax.clamp_min(_FP32_SCALE_MIN_AMAX) / max_value
+        return scale, scale
+    if scale_format == "ue8m0":
+        exponent = _pow2_exponent_above(amax.clamp_min(_UE8M0_MIN_AMAX), max_value)
+        stored = _biased(exponent)
+        return ue8m0_to_float(stored), stored
+    raise ValueError(f"scale_format: unsupported {scale_format!r} for a quantized format")
+
+
+def _decode_scales(scales: torch.Tensor, scale_format: str) -> torch.Tensor:
+    return ue8m0_to_float(scales) if scale_format == "ue8m0" else scales.float()
+
+
+# ----------------------------------------------------------------------------- element codecs
+
+
+def _encode(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float32 values already divided by their scale -> stored elements (unpacked)."""
+    if fmt == "e4m3":
+        # Clamp first: the exact divide can land a hair above 448 for fp32 scales.
+        return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    if fmt == "e2m1":
+        return _e2m1_encode(scaled)
+    raise ValueError(f"unsupported element format {fmt!r}")
+
+
+def _decode(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "e4m3":
+        return data.float()
+    if fmt == "e2m1":
+        return _e2m1_decode(unpack_fp4(data))
+    raise ValueError(f"unsupported element format {fmt!r}")
+
+
+def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E2M1 value, ties to the even code; returns uint8 codes 0..15.
+
+    Counting the midpoints below |v| strictly and non-strictly gives the two neighbouring
+    codes on a tie (and the same code otherwise); of those two, the even one wins.
+    """
+    midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=v.device)
+    magnitude = v.abs().clamp_max(E2M1_MAX)
+    below = torch.bucketize(magnitude, midpoints, right=False)
+    at_or_below = torch.bucketize(magnitude, midpoints, right=True)
+    index = torch.where(below % 2 == 0, below, at_or_below)
+    sign = torch.signbit(v).to(torch.uint8) << 3
+    return sign | index.to(torch.uint8)
+
+
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    table = torch.cat([table, -table])  # codes 8..15 are the negatives (8 is -0.0)
+    return table[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes [..., K] into bytes [..., K/2]: element 2j low nibble, 2j+1 high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim must be even, got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_fp4: bytes [..., K/2] -> codes [..., K]."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_fp4: expected uint8 packed data, got {packed.dtype}")
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _check_last_dim(name: str, k: int, block: int, what: str) -> None:
+    if block <= 0 or k % block:
+        raise ValueError(f"{name}: last dim {k} is not a multiple of the {what} block {block}")
+
+
+def quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize activations [..., K] in 1 x recipe.act_block blocks along K.
+
+    Returns (data, scales) with scales [..., K / act_block]; native recipes return (x, None).
+    """
+    if recipe.act_format == "native":
+        return x, None
+    if not x.is_floating_point() or x.dim() == 0:
+        raise ValueError(f"quantize_act: expected a floating tensor [..., K], got {x.dtype} {list(x.shape)}")
+    block = recipe.act_block
+    _check_last_dim("quantize_act", x.shape[-1], block, f"{recipe.name!r} activation")
+    blocks = x.float().unflatten(-1, (-1, block))
+    amax = blocks.abs().amax(dim=-1)
+    scale, stored = _block_scales(amax, recipe.act_format, recipe.scale_format)
+    data = _encode(blocks / scale.unsqueeze(-1), recipe.act_format).flatten(-2)
+    return data, stored
+
+
+def dequantize_act(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
+    """Exact float32 value of stored activations: element * its block's scale."""
+    if recipe.act_format == "native":
+        return data.float()
+    block = recipe.act_block
+    _check_last_dim("dequantize_act", data.shape[-1], block, f"{recipe.name!r} activation")
+    expected = (*data.shape[:-1], data.shape[-1] // block)
+    if scales is None or tuple(scales.shape) != expected:
+        got = None if scales is None else list(scales.shape)
+        raise ValueError(f"dequantize_act: scales must have shape {list(expected)}, got {got}")
+    values = _decode(data, recipe.act_format).unflatten(-1, (-1, block))
+    return (values * _decode_scales(scales, recipe.scale_format).unsqueeze(-1)).flatten(-2)
+
+
+def fake_quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
+    """The value activations take through the recipe's storage, as float32."""
+    return dequantize_act(*quantize_act(x, recipe), recipe)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _weight_blocks(name: str, n: int, k: int, recipe: PrecisionRecipe) -> tuple[int, int]:
+    rows, cols = recipe.weight_block
+    if rows <= 0 or n % rows:
+        raise ValueError(f"{name}: row dim {n} is not a multiple of the {recipe.name!r} weight block rows {rows}")
+    _check_last_dim(name, k, cols, f"{recipe.name!r} weight")
+    return rows, cols
+
+
+def _split(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[..., N, K] -> [..., N/rows, rows, K/cols, cols], a view."""
+    return w.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows))
+
+
+def quantize_weight(w: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize weights [..., N, K] in recipe.weight_block (rows, cols) blocks, cols along K.
+
+    Returns (data, scales) with scales [..., N/rows, K/cols]. e4m3 data is [..., N, K]
+    float8_e4m3fn; e2m1 data is packed uint8 [..., N, K/2]. Native returns (w, None).
+    """
+    if recipe.weight_format == "native":
+        return w, None
+    if not w.is_floating_point() or w.dim() < 2:
+        raise ValueError(f"quantize_weight: expected a floating tensor [..., N, K], got {w.dtype} {list(w.shape)}")
+    rows, cols = _weight_blocks("quantize_weight", w.shape[-2], w.shape[-1], recipe)
+    blocks = _split(w.float(), rows, cols)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale, stored = _block_scales(amax, recipe.weight_format, recipe.scale_format)
+    scaled = blocks / scale.unsqueeze(-1).unsqueeze(-3)
+    data = _encode(scaled, recipe.weight_format).flatten(-2).flatten(-3, -2)
+    if recipe.weight_format == "e2m1":
+        data = pack_fp4(data)
+    return data, stored
+
+
+def dequantize_weight(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
+    """Exact float32 value of stored weights [..., N, K] (K = 2 * packed width for e2m1)."""
+    if recipe.weight_format == "native":
+        return data.float()
+    values = _decode(data, recipe.weight_format)
+    n, k = values.shape[-2], values.shape[-1]
+    rows, cols = _weight_blocks("dequantize_weight", n, k, recipe)
+    expected = (*values.shape[:-2], n // rows, k // cols)
+    if scales is None or tuple(scales.shape) != expected:
+        got = None if scales is None else list(scales.shape)
+        raise ValueError(f"dequantize_weight: scales must have shape {list(expected)}, got {got}")
+    scale = _decode_scales(scales, recipe.scale_format)
+    blocks = _split(values, rows, cols) * scale.unsqueeze(-1).unsqueeze(-3)
+    return blocks.flatten(-2).flatten(-3, -2)

@@ -1,0 +1,67 @@
+"""Input checks of one mega_moe call.
+
+They return a message instead of raising: a rank with bad input must still tell its peers
+(through the status exchange of the protocol) so that every rank raises together and no rank
+waits forever for rows that will never come.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .symm_buffer import SymmBuffer
+
+
+class MegaMoEInputError(ValueError):
+    """Bad input on this rank or on a peer; the buffer stays usable for the next call."""
+
+
+def _check_tensor(name, t, shape, dtypes, device) -> str | None:
+    if not isinstance(t, torch.Tensor):
+        return f"{name}: expected a torch.Tensor, got {type(t).__name__}"
+    if tuple(t.shape) != tuple(shape):
+        return f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}"
+    if t.dtype not in dtypes:
+        return f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}"
+    if t.device != device:
+        return f"{name}: expected device {device}, got {t.device}"
+    return None
+
+
+def check_inputs(
+    buffer: SymmBuffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids: bool = True
+) -> str | None:
+    """First problem with this rank's inputs, or None. check_ids reads topk_idx on the host."""
+    cfg = buffer.config
+    dev = buffer.device
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return f"x: expected a 2-D tensor [tokens, {cfg.hidden}], got {getattr(x, 'shape', type(x).__name__)}"
+    T = x.shape[0]
+    if T > cfg.num_max_tokens_per_rank:
+        return f"x: {T} tokens exceed num_max_tokens_per_rank={cfg.num_max_tokens_per_rank} of the buffer"
+    E_l, H, I, K = buffer.num_local_experts, cfg.hidden, cfg.intermediate, cfg.topk
+    checks = [
+        ("x", x, (T, H), (cfg.dtype,)),
+        ("topk_idx", topk_idx, (T, K), (torch.int64,)),
+        ("topk_weights", topk_weights, (T, K), (torch.float32,)),
+        ("w1", w1, (E_l, 2 * I, H), floats),
+        ("w2", w2, (E_l, H, I), floats),
+    ]
+    if cfg.num_shared_experts:
+        W = cfg.shared_width
+        checks += [("shared_w1", shared_w1, (2 * W, H), floats), ("shared_w2", shared_w2, (H, W), floats)]
+    elif shared_w1 is not None or shared_w2 is not None:
+        return "shared_w1/shared_w2: given, but the config has num_shared_experts=0"
+    if recv_stats is not None:
+        checks.append(("recv_stats", recv_stats, (E_l,), (torch.int64,)))
+    for name, t, shape, dtypes in checks:
+        problem = _check_tensor(name, t, shape, dtypes, dev)
+        if problem:
+            return problem
+    if check_ids and T:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= cfg.num_experts:
+            bad = lo if lo < -1 else hi
+            return f"topk_idx: expert id {bad} is outside [0, {cfg.num_experts}) (use -1 to mask a slot)"
+    return None

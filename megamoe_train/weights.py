@@ -1,0 +1,147 @@
+"""Expert weights in kernel layout: quantized once per weight update, then reused.
+
+Megatron stores fc1 as [2*I, H] with every gate row first and every up row after. The L1
+GEMM instead wants gate and up rows interleaved in chunks, so one N-tile holds matching gate
+and up columns and SwiGLU can run in its epilogue. Quantization happens in the master order
+first, so a block's scale is the same whichever layout it is read in; the data and its
+scales are then interleaved together.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .config import MegaMoEConfig
+from .precision import get_recipe
+from .quant import dequantize_weight, quantize_weight
+
+
+def _gate_up_dims(t: torch.Tensor, chunk: int, dim: int) -> tuple[int, int]:
+    """Normalised dim and number of chunks per half, after checking the sizes fit."""
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(f"dim: {dim} is out of range for a {t.dim()}-d tensor")
+    dim %= t.dim()
+    size = t.shape[dim]
+    if not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk: must be a positive int, got {chunk!r}")
+    if size % 2 or (size // 2) % chunk:
+        raise ValueError(f"gate/up dim {dim} has size {size}; it must be 2 * I with I a multiple of chunk={chunk}")
+    return dim, size // 2 // chunk
+
+
+def interleave_gate_up(t: torch.Tensor, chunk: int, dim: int = -2) -> torch.Tensor:
+    """[gate; up] along dim -> [gate 0:c, up 0:c, gate c:2c, up c:2c, ...]."""
+    dim, chunks = _gate_up_dims(t, chunk, dim)
+    return t.unflatten(dim, (2, chunks, chunk)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+
+
+def deinterleave_gate_up(t: torch.Tensor, chunk: int, dim: int = -2) -> torch.Tensor:
+    """Inverse of interleave_gate_up: back to all gate rows, then all up rows."""
+    dim, chunks = _gate_up_dims(t, chunk, dim)
+    return t.unflatten(dim, (chunks, 2, chunk)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+
+
+@dataclass
+class ExpertWeights:
+    """One rank's expert weights as the kernels read them.
+
+    w1: fc1, gate/up interleaved in chunks of `chunk` rows: [E, 2I, H] (native or e4m3) or
+      packed FP4 [E, 2I, H/2]. w1_scales: its block scales, interleaved the same way, or None.
+    w2: fc2, [E, H, I] or packed [E, H, I/2]; w2_scales likewise.
+    """
+
+    recipe: str
+    w1: torch.Tensor
+    w1_scales: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scales: torch.Tensor | None
+    chunk: int
+
+    def dequantize_w1(self) -> torch.Tensor:
+        """float32 [E, 2I, H], still interleaved (scale blocks never straddle a chunk)."""
+        return dequantize_weight(self.w1, self.w1_scales, get_recipe(self.recipe))
+
+    def dequantize_w2(self) -> torch.Tensor:
+        """float32 [E, H, I]."""
+        return dequantize_weight(self.w2, self.w2_scales, get_recipe(self.recipe))
+
+
+# w1 -> (cache key, weakref to w2, result). Keyed by identity: a plain WeakKeyDictionary
+# compares tensors with ==, which is elementwise and fails. Entries die with w1, and values
+# never reference w1 or w2, so a cached result cannot keep a freed parameter alive.
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def clear_weight_cache() -> None:
+    """Forget every cached transform, e.g. after writing weights through `.data`."""
+    _CACHE.clear()
+
+
+def _cache_key(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> tuple:
+    # _version counts in-place writes through the tensor or its views (optimizer steps,
+    # no_grad add_); data_ptr catches `param.data = other`. Writes through `param.data.` do
+    # not bump the version and are invisible here: call clear_weight_cache() after them.
+    return (
+        w1._version, w2._version, w1.data_ptr(), w2.data_ptr(),
+        config.recipe, config.dtype, config.intermediate, config.hidden,
+    )
+
+
+def _check_weight(name: str, w, expected: tuple[int, int]) -> None:
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+    if not w.is_floating_point():
+        raise ValueError(f"{name}: expected a floating dtype, got {w.dtype}")
+    if w.dim() != 3 or tuple(w.shape[1:]) != expected or w.shape[0] == 0:
+        raise ValueError(f"{name}: expected shape [E, {expected[0]}, {expected[1]}], got {list(w.shape)}")
+
+
+def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> ExpertWeights:
+    """Master expert weights -> kernel layout, cached until w1 or w2 changes.
+
+    w1: [E, 2*I, H] fc1 (gate rows, then up rows); w2: [E, H, I] fc2. Calling again with
+    the same unchanged tensors and an equivalent config returns the same object.
+    """
+    inter, hidden = config.intermediate, config.hidden
+    _check_weight("w1", w1, (2 * inter, hidden))
+    _check_weight("w2", w2, (hidden, inter))
+    if w1.shape[0] != w2.shape[0]:
+        raise ValueError(f"w2: expected {w1.shape[0]} experts to match w1, got shape {list(w2.shape)}")
+    if w1.device != w2.device:
+        raise ValueError(f"w2: expected device {w1.device} to match w1, got {w2.device}")
+
+    key = _cache_key(w1, w2, config)
+    hit = _CACHE.get(w1)
+    if hit is not None and hit[0] == key and hit[1]() is w2:
+        return hit[2]
+    result = _transform(w1.detach(), w2.detach(), config)
+    _CACHE[w1] = (key, weakref.ref(w2), result)
+    return result
+
+
+@torch.no_grad()
+def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> ExpertWeights:
+    recipe = config.precision
+    chunk = recipe.gate_up_chunk
+    if recipe.weight_format == "native":
+        # Copy even when the dtype already matches, so the result never aliases a parameter
+        # that may later be written through `.data`.
+        w1_data, w1_scales = w1.to(config.dtype, copy=True), None
+        w2_data, w2_scales = w2.to(config.dtype, copy=True).contiguous(), None
+    else:
+        w1_data, w1_scales = quantize_weight(w1, recipe)
+        w2_data, w2_scales = quantize_weight(w2, recipe)
+        # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
+        w1_scales = interleave_gate_up(w1_scales, chunk // recipe.weight_block[0])
+    return ExpertWeights(
+        recipe=recipe.name,
+        w1=interleave_gate_up(w1_data, chunk),
+        w1_scales=w1_scales,
+        w2=w2_data,
+        w2_scales=w2_scales,
+        chunk=chunk,
+    )

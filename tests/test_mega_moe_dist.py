@@ -1,0 +1,264 @@
+"""mega_moe across real processes (gloo + /dev/shm symmetric buffers) against a dense MoE.
+
+Every rank draws the same global problem from one seed (all ranks' tokens, all experts), runs
+mega_moe on its own slice, and compares its output and every gradient with the dense MoE of
+dense_moe.py computed on the whole problem.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dense_moe import dense_moe
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
+
+TIMEOUT_S = 20  # device-side waits (monitored barriers) of the test buffers
+
+
+def make_problem(cfg: MegaMoEConfig, world: int, tokens: list[int], seed: int, routing: str = "uniform"):
+    g = torch.Generator().manual_seed(seed)
+    E, H, I, K = cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk
+    prob = {"x": [], "idx": [], "w": [], "gy": []}
+    for T in tokens:
+        prob["x"].append(torch.randn(T, H, generator=g).to(cfg.dtype))
+        if routing == "one_expert":  # every token's slot 0 on expert E-1, rest masked
+            idx = torch.full((T, K), -1, dtype=torch.int64)
+            idx[:, 0] = E - 1
+        else:
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+            if routing == "masked":
+                idx[torch.rand(T, K, generator=g) < 0.3] = -1
+            elif routing == "skewed":  # half of all slots go to expert 0's neighbourhood
+                hot = torch.rand(T, generator=g) < 0.5
+                idx[hot, 0] = torch.where(idx[hot, 1:].eq(0).any(1), idx[hot, 0], 0)
+        prob["idx"].append(idx)
+        prob["w"].append(torch.rand(T, K, generator=g) + 0.1)
+        prob["gy"].append(torch.randn(T, H, generator=g).to(cfg.dtype))
+    scale1, scale2 = H**-0.5, I**-0.5
+    prob["w1"] = torch.randn(E, 2 * I, H, generator=g) * scale1
+    prob["w2"] = torch.randn(E, H, I, generator=g) * scale2
+    if cfg.num_shared_experts:
+        W = cfg.shared_width
+        prob["sw1"] = torch.randn(2 * W, H, generator=g) * scale1
+        prob["sw2"] = torch.randn(H, W, generator=g) * scale2
+    return prob
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _tolerance(cfg):
+    if cfg.precision.quantized:
+        return 2e-2  # one e4m3 step flipped by a different fp32 summation order is ~6% of one element
+    return 1e-5 if cfg.dtype == torch.float32 else 2e-2
+
+
+def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False):
+    cfg = MegaMoEConfig(**cfg_kwargs)
+    prob = make_problem(cfg, world, tokens, seed, routing)
+    E_l = cfg.num_experts // world
+    mine = slice(rank * E_l, (rank + 1) * E_l)
+    x = prob["x"][rank].clone().requires_grad_()
+    tw = prob["w"][rank].clone().requires_grad_()
+    w1 = prob["w1"][mine].clone().requires_grad_()
+    w2 = prob["w2"][mine].clone().requires_grad_()
+    shared = {}
+    if cfg.num_shared_experts:
+        shared = dict(shared_w1=prob["sw1"].clone().requires_grad_(), shared_w2=prob["sw2"].clone().requires_grad_())
+    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
+    stats = torch.zeros(E_l, dtype=torch.int64)
+
+    def run():
+        y = mega_moe(x, prob["idx"][rank], tw, w1, w2, buf, recv_stats=stats, **shared)
+        (y.float() * prob["gy"][rank].float()).sum().backward()
+        grads = [t.grad.clone() for t in (x, tw, w1, w2, *shared.values())]
+        for t in (x, tw, w1, w2, *shared.values()):
+            t.grad = None
+        return y.detach(), grads
+
+    y, grads = run()
+
+    # Dense oracle over the whole problem; gradients for this rank's slice.
+    xs = [t.clone().requires_grad_() for t in prob["x"]]
+    tws = [t.clone().requires_grad_() for t in prob["w"]]
+    W1, W2 = prob["w1"].clone().requires_grad_(), prob["w2"].clone().requires_grad_()
+    SW = [prob[k].clone().requires_grad_() for k in ("sw1", "sw2")] if shared else [None, None]
+    loss = 0
+    for r in range(world):
+        sw = SW if r == rank else [t.detach() if t is not None else None for t in SW]  # shared grads are per rank
+        y_ref_r = dense_moe(xs[r], prob["idx"][r], tws[r], W1, W2, cfg, *sw)
+        loss = loss + (y_ref_r.to(cfg.dtype).float() * prob["gy"][r].float()).sum()
+        if r == rank:
+            y_ref = y_ref_r.detach()
+    loss.backward()
+    refs = [xs[rank].grad, tws[rank].grad, W1.grad[mine], W2.grad[mine]] + ([SW[0].grad, SW[1].grad] if shared else [])
+    names = ["x", "topk_weights", "w1", "w2", "shared_w1", "shared_w2"]
+
+    tol = _tolerance(cfg)
+    errors = {}
+    if y.numel():
+        errors["y"] = rel_err(y, y_ref)
+    for name, got, ref in zip(names, grads, refs):
+        if ref is None:  # nothing reached it in the dense graph (e.g. a rank with no tokens)
+            ref = torch.zeros_like(got)
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        if ref.numel() and ref.norm() > 0:
+            errors[name] = rel_err(got, ref)
+        else:
+            assert got.abs().max() == 0 if got.numel() else True, f"{name}: expected zero gradient"
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"rank {rank}: relative errors above {tol}: {bad} (all: {errors})"
+
+    # Masked slots get exactly zero weight gradient.
+    masked = prob["idx"][rank] < 0
+    assert (grads[1][masked] == 0).all()
+
+    # recv stats: rows each local expert received from all ranks.
+    all_idx = torch.cat(prob["idx"])
+    true_counts = torch.stack([(all_idx == e).sum() for e in range(mine.start, mine.stop)])
+    assert torch.equal(stats, true_counts), (stats, true_counts)
+
+    if repeat:  # same inputs, same bits, forward and backward
+        y2, grads2 = run()
+        assert torch.equal(y, y2)
+        for a, b in zip(grads, grads2):
+            assert torch.equal(a, b)
+    return errors
+
+
+F32 = dict(dtype=torch.float32)
+BASE = dict(num_experts=8, hidden=64, intermediate=32, topk=2, num_max_tokens_per_rank=40, block_m=16, **F32)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_matches_dense_bf16_recipe_fp32(rank_pools, world):
+    tokens = [37, 23, 40, 5][:world]
+    rank_pools(world).run(run_against_dense, BASE, tokens, seed=world, repeat=True)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fresh_random_shapes(rank_pools, world):
+    g = torch.Generator().manual_seed(100 + world)
+    for trial in range(2):
+        E = world * int(torch.randint(1, 4, (1,), generator=g))
+        K = int(torch.randint(1, E + 1, (1,), generator=g))
+        H = 8 * int(torch.randint(2, 9, (1,), generator=g))
+        I = 8 * int(torch.randint(1, 6, (1,), generator=g))
+        tokens = torch.randint(0, 30, (world,), generator=g).tolist()
+        cfg = dict(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=30, block_m=8, **F32)
+        rank_pools(world).run(run_against_dense, cfg, tokens, seed=trial)
+
+
+def test_bf16_dtype(rank_pools):
+    cfg = dict(BASE, dtype=torch.bfloat16)
+    rank_pools(2).run(run_against_dense, cfg, [40, 31], seed=5)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8_mxfp4"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_quantized_recipes(rank_pools, world, recipe):
+    cfg = dict(BASE, recipe=recipe, hidden=256, intermediate=128, num_max_tokens_per_rank=24)
+    rank_pools(world).run(run_against_dense, cfg, [24, 17][:world], seed=7, repeat=True)
+
+
+def test_quantized_recipe_bf16_ep4(rank_pools):
+    cfg = dict(BASE, recipe="fp8", hidden=128, intermediate=128, num_max_tokens_per_rank=16, dtype=torch.bfloat16)
+    rank_pools(4).run(run_against_dense, cfg, [16, 3, 0, 9], seed=8)
+
+
+@pytest.mark.parametrize("routing", ["masked", "one_expert", "skewed"])
+def test_routing_patterns(rank_pools, routing):
+    rank_pools(2).run(run_against_dense, BASE, [40, 33], seed=11, routing=routing)
+
+
+def test_rank_with_zero_tokens(rank_pools):
+    rank_pools(4).run(run_against_dense, BASE, [0, 25, 0, 40], seed=12)
+
+
+@pytest.mark.parametrize("topk", [1, 8])
+def test_topk_extremes(rank_pools, topk):
+    rank_pools(2).run(run_against_dense, dict(BASE, topk=topk), [29, 40], seed=13)
+
+
+def test_shared_experts_and_clamp(rank_pools):
+    cfg = dict(BASE, num_shared_experts=2, shared_intermediate=16, activation_clamp=0.5)
+    rank_pools(2).run(run_against_dense, cfg, [40, 21], seed=14, repeat=True)
+    rank_pools(4).run(run_against_dense, dict(cfg, recipe="mxfp8_mxfp4", hidden=64, intermediate=64), [9, 0, 12, 5], seed=15)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def bad_input_then_good(rank, world, case):
+    cfg = MegaMoEConfig(**BASE)
+    prob = make_problem(cfg, world, [20] * world, seed=21)
+    E_l = cfg.num_experts // world
+    w1, w2 = prob["w1"][rank * E_l : (rank + 1) * E_l], prob["w2"][rank * E_l : (rank + 1) * E_l]
+    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
+    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
+    bad_rank = world - 1
+    args = dict(x=x, idx=idx, tw=tw, w1=w1, w2=w2)
+    if rank == bad_rank:
+        if case == "id_too_large":
+            args["idx"] = idx.clone().index_fill_(0, torch.tensor([3]), cfg.num_experts)
+        elif case == "id_negative":
+            args["idx"] = idx.clone().index_fill_(0, torch.tensor([0]), -2)
+        elif case == "too_many_tokens":
+            args["x"] = torch.randn(41, cfg.hidden)
+            args["idx"] = torch.zeros(41, cfg.topk, dtype=torch.int64)
+            args["tw"] = torch.ones(41, cfg.topk)
+        elif case == "wrong_dtype":
+            args["x"] = x.to(torch.float64)
+        elif case == "wrong_idx_dtype":
+            args["idx"] = idx.to(torch.int32)
+        elif case == "wrong_shape":
+            args["w1"] = w1[:, :, :-1]
+        elif case == "wrong_device":
+            args["x"] = x.to("meta")
+    with pytest.raises(MegaMoEInputError) as err:
+        mega_moe(args["x"], args["idx"], args["tw"], args["w1"], args["w2"], buf)
+    message = str(err.value)
+    if rank == bad_rank:
+        expected = {"id_too_large": "topk_idx", "id_negative": "topk_idx", "too_many_tokens": "num_max_tokens_per_rank",
+                    "wrong_dtype": "x: expected dtype", "wrong_idx_dtype": "topk_idx: expected dtype",
+                    "wrong_shape": "w1: expected shape", "wrong_device": "x: expected device"}[case]
+        assert expected in message, message
+    else:
+        assert f"rank(s) [{bad_rank}] rejected" in message, message
+    # The buffer is still usable: a good call right after matches the dense MoE.
+    y = mega_moe(x, idx, tw, w1, w2, buf)
+    y_ref = dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)
+    assert rel_err(y, y_ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "case", ["id_too_large", "id_negative", "too_many_tokens", "wrong_dtype", "wrong_idx_dtype", "wrong_shape", "wrong_device"]
+)
+def test_bad_input_fails_everywhere_and_buffer_survives(rank_pools, case):
+    rank_pools(2).run(bad_input_then_good, case)
+
+
+def buffer_config_mismatch(rank, world):
+    cfg = MegaMoEConfig(**BASE)
+    other = MegaMoEConfig(**dict(BASE, hidden=32))
+    buf = get_symm_buffer(None, other, timeout_s=TIMEOUT_S)
+    prob = make_problem(cfg, world, [8] * world, seed=3)
+    E_l = cfg.num_experts // world
+    with pytest.raises(MegaMoEInputError, match="x: expected shape"):
+        mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], prob["w1"][:E_l], prob["w2"][:E_l], buf)
+    from megamoe_train import MegaMoELayer
+
+    with pytest.raises(ValueError, match="does not match"):
+        MegaMoELayer(cfg, buffer=buf)
+    assert get_symm_buffer(None, other) is buf  # cached per (group, config)
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        buf.region("x")
+    assert get_symm_buffer(None, other) is not buf
+
+
+def test_config_mismatch_and_buffer_cache(rank_pools):
+    rank_pools(2).run(buffer_config_mismatch)

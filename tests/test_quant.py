@@ -1,0 +1,278 @@
+"""Numerics of megamoe_train.quant: exact codes, tie rules, layouts and error bounds."""
+
+import pytest
+import torch
+
+from megamoe_train.precision import RECIPES
+from megamoe_train.quant import (
+    E2M1_VALUES,
+    dequantize_act,
+    dequantize_weight,
+    fake_quantize_act,
+    float_to_ue8m0,
+    pack_fp4,
+    quantize_act,
+    quantize_weight,
+    ue8m0_to_float,
+    unpack_fp4,
+)
+
+FP8, MX, BF16 = RECIPES["fp8"], RECIPES["mxfp8_mxfp4"], RECIPES["bf16"]
+
+
+def randn(*shape, seed=0, spread=True):
+    """Random values, never all zero; with spread, each run of 32 gets its own power-of-two
+    magnitude (2**-12 .. 2**11) so blocks differ a lot."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if spread:
+        exponents = torch.randint(-12, 12, (*shape[:-1], shape[-1] // 32), generator=g)
+        x = x * torch.exp2(exponents.float()).repeat_interleave(32, -1)
+    return x
+
+
+def block_amax(x, block):
+    return x.abs().unflatten(-1, (-1, block)).amax(-1)
+
+
+def fp4_row(values):
+    """One weight row of 32 values, padded with 6.0 so the block amax is 6 (scale 1)."""
+    row = torch.full((32,), 6.0)
+    row[: len(values)] = torch.tensor(values)
+    return row.reshape(1, 32)
+
+
+def fp4_codes(w):
+    return unpack_fp4(quantize_weight(w, MX)[0])
+
+
+# ----------------------------------------------------------------------------- E2M1
+
+
+def test_every_e2m1_value_round_trips_exactly():
+    values = list(E2M1_VALUES) + [-v for v in E2M1_VALUES]
+    for exponent in (-20, -3, 0, 7):
+        w = fp4_row(values) * 2.0**exponent
+        data, scales = quantize_weight(w, MX)
+        assert ue8m0_to_float(scales).item() == 2.0**exponent
+        assert torch.equal(dequantize_weight(data, scales, MX), w)
+    assert unpack_fp4(quantize_weight(fp4_row(values), MX)[0])[0, :16].tolist() == list(range(16))
+
+
+def test_e2m1_ties_round_to_even_mantissa():
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    expected = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    w = fp4_row(ties + [-t for t in ties])
+    got = dequantize_weight(*quantize_weight(w, MX), MX)[0, :14].tolist()
+    assert got == expected + [-e for e in expected]
+    # Just off a tie goes to the nearest value, whichever side is even.
+    w = fp4_row([0.26, 0.74, 1.26, 1.74, 2.51, 3.49, 4.99, 5.01])
+    got = dequantize_weight(*quantize_weight(w, MX), MX)[0, :8].tolist()
+    assert got == [0.5, 0.5, 1.5, 1.5, 3.0, 3.0, 4.0, 6.0]
+
+
+def test_fp4_packing_puts_even_element_in_low_nibble():
+    w = fp4_row([0.5, -6.0, 0.0, 3.0])  # codes 1, 15, 0, 5
+    data, _ = quantize_weight(w, MX)
+    assert data.dtype == torch.uint8 and data.shape == (1, 16)
+    assert data[0, :2].tolist() == [0xF1, 0x50]
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    assert torch.equal(packed & 0xF, codes[..., 0::2]) and torch.equal(packed >> 4, codes[..., 1::2])
+    assert torch.equal(unpack_fp4(packed), codes)
+
+
+def test_fp4_sign_is_kept_for_values_rounding_to_zero():
+    codes = fp4_codes(fp4_row([0.1, -0.1]))
+    assert codes[0, :2].tolist() == [0, 8]
+
+
+# ----------------------------------------------------------------------------- ue8m0
+
+
+def test_ue8m0_encoding_round_trips():
+    biased = torch.arange(255, dtype=torch.uint8)
+    scales = ue8m0_to_float(biased)
+    assert torch.equal(scales, torch.exp2(torch.arange(255, dtype=torch.float64) - 127).float())
+    assert torch.equal(float_to_ue8m0(scales), biased)
+    assert torch.isnan(ue8m0_to_float(torch.tensor([255], dtype=torch.uint8))).all()
+    # Not a power of two: rounds up, so a scale never shrinks.
+    assert float_to_ue8m0(torch.tensor([3.0, 0.3])).tolist() == [129, 126]
+
+
+def _is_pow2(t):
+    mantissa, _ = torch.frexp(t)
+    return bool((mantissa == 0.5).all())
+
+
+@pytest.mark.parametrize("magnitude", [2.0**-100, 1e-9, 1.0, 1e9, 1e30])
+def test_ue8m0_scales_are_tightest_power_of_two_without_overflow(magnitude):
+    x = randn(4, 256, seed=2) * magnitude
+    # Values just above and exactly at the boundaries where the exponent steps up.
+    x[0, :4] = torch.tensor([448.0, -448.0 * (1 + 2**-23), 448.0 * (1 - 2**-24), 224.0]) * magnitude
+    data, scales = quantize_act(x, MX)
+    scale = ue8m0_to_float(scales)
+    assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8 and scales.shape == (4, 8)
+    assert _is_pow2(scale)
+    decoded = data.float()
+    assert not torch.isnan(decoded).any() and decoded.abs().max() <= 448
+    ratio = block_amax(x, 32) / scale
+    assert ((ratio > 224) & (ratio <= 448)).all(), "scale must be the smallest power of two that fits"
+
+    w = x.reshape(8, 128) / 448 * 6
+    data, scales = quantize_weight(w, MX)
+    ratio = block_amax(w, 32) / ue8m0_to_float(scales)
+    assert _is_pow2(ue8m0_to_float(scales)) and ((ratio > 3) & (ratio <= 6)).all()
+
+
+# ----------------------------------------------------------------------------- error bounds
+
+
+def _within(err, x, rel, abs_):
+    return bool((err <= x.abs() * rel + abs_ + x.abs() * 2**-22).all())
+
+
+def test_fp8_act_scales_and_error_bound():
+    x = randn(2, 3, 512, seed=3)
+    data, scales = quantize_act(x, FP8)
+    amax = block_amax(x, 128).clamp_min(1e-4)
+    assert scales.dtype == torch.float32 and scales.shape == (2, 3, 4)
+    assert torch.equal(scales, amax / 448)
+    assert torch.equal(block_amax(data.float(), 128), torch.full_like(amax, 448.0))
+    # e4m3: half an ulp is 2**-4 of the value; subnormals are spaced 2**-9 * scale.
+    expand = lambda s: s.repeat_interleave(128, -1)  # noqa: E731
+    err = (dequantize_act(data, scales, FP8) - x).abs()
+    assert _within(err, x, 2**-4, expand(amax / 448) * 2**-10)
+    # The bound is tight enough to catch a wrong scale.
+    wrong = (dequantize_act(data, scales * 1.25, FP8) - x).abs()
+    assert not _within(wrong, x, 2**-4, expand(amax / 448) * 2**-10)
+
+
+def test_mx_act_error_bound():
+    x = randn(4, 256, seed=4)
+    data, scales = quantize_act(x, MX)
+    scale = ue8m0_to_float(scales).repeat_interleave(32, -1)
+    err = (dequantize_act(data, scales, MX) - x).abs()
+    assert _within(err, x, 2**-4, scale * 2**-10)
+    assert not _within((dequantize_act(data, scales + 1, MX) - x).abs(), x, 2**-4, scale * 2**-10)
+
+
+def test_fp8_weight_blocks_and_error_bound():
+    w = randn(2, 256, 384, seed=5, spread=False)
+    w[0, 128:, :128] *= 1000  # blocks of very different magnitude
+    data, scales = quantize_weight(w, FP8)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == w.shape
+    assert scales.dtype == torch.float32 and scales.shape == (2, 2, 3)
+    amax = w.abs().unflatten(-1, (3, 128)).unflatten(-3, (2, 128)).amax(dim=(-3, -1))
+    assert torch.equal(scales, amax / 448)
+    scale = scales.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    err = (dequantize_weight(data, scales, FP8) - w).abs()
+    assert _within(err, w, 2**-4, scale * 2**-10)
+
+
+def test_fp4_weight_error_bound():
+    w = randn(3, 16, 128, seed=6)
+    data, scales = quantize_weight(w, MX)
+    assert data.shape == (3, 16, 64) and scales.shape == (3, 16, 4) and scales.dtype == torch.uint8
+    scale = ue8m0_to_float(scales).repeat_interleave(32, -1)
+    err = (dequantize_weight(data, scales, MX) - w).abs()
+    # E2M1 has one mantissa bit (half ulp = 1/4 of the value); subnormal step is 0.5 * scale.
+    assert _within(err, w, 2**-2, scale * 2**-2)
+
+
+# ----------------------------------------------------------------------------- idempotence
+
+
+def test_fp8_requantizing_dequantized_gives_identical_bits():
+    x = randn(3, 512, seed=7)
+    data, scales = quantize_act(x, FP8)
+    data2, scales2 = quantize_act(dequantize_act(data, scales, FP8), FP8)
+    assert torch.equal(data.view(torch.uint8), data2.view(torch.uint8)) and torch.equal(scales, scales2)
+    w = randn(256, 256, seed=8)
+    data, scales = quantize_weight(w, FP8)
+    data2, scales2 = quantize_weight(dequantize_weight(data, scales, FP8), FP8)
+    assert torch.equal(data.view(torch.uint8), data2.view(torch.uint8)) and torch.equal(scales, scales2)
+
+
+def test_ue8m0_requantizing_is_a_projection():
+    """Re-quantizing a dequantized tensor gives the same values, and the same bits once stable.
+
+    Bits can differ on the first pass: a block whose largest element rounds down onto half
+    the format's max (224 for e4m3, 3 for e2m1) gets half the scale and doubled codes, which
+    decode to identical values. From then on the bits are fixed.
+    """
+    x = randn(4, 512, seed=9)
+    y = fake_quantize_act(x, MX)
+    data, scales = quantize_act(y, MX)
+    assert torch.equal(dequantize_act(data, scales, MX), y)
+    data2, scales2 = quantize_act(dequantize_act(data, scales, MX), MX)
+    assert torch.equal(data.view(torch.uint8), data2.view(torch.uint8)) and torch.equal(scales, scales2)
+
+    # The first-pass case: block max 225 -> scale 1, code 224 -> requantized: scale 1/2, code 448.
+    z = torch.zeros(1, 32)
+    z[0, 0] = 225.0
+    data, scales = quantize_act(z, MX)
+    data2, scales2 = quantize_act(dequantize_act(data, scales, MX), MX)
+    assert (scales.item(), data[0, 0].item(), scales2.item(), data2[0, 0].item()) == (127, 224.0, 126, 448.0)
+
+    w = randn(16, 256, seed=10)
+    v = dequantize_weight(*quantize_weight(w, MX), MX)
+    data, scales = quantize_weight(v, MX)
+    assert torch.equal(dequantize_weight(data, scales, MX), v)
+    assert torch.equal(quantize_weight(dequantize_weight(data, scales, MX), MX)[0], data)
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+
+@pytest.mark.parametrize("recipe", [FP8, MX], ids=lambda r: r.name)
+def test_zero_blocks_give_zeros(recipe):
+    x = randn(2, 256, seed=11)
+    x[0, :128] = 0
+    x[1, :128] = 1e-40  # subnormal blocks: the clamped scale must not blow up either
+    y = fake_quantize_act(x, recipe)
+    assert not torch.isnan(y).any() and (y[0, :128] == 0).all()
+    assert ((y[1, :128] - x[1, :128]).abs() <= 1e-40).all()
+    w = randn(256, 256, seed=12)
+    w[:128, :128] = 0
+    v = dequantize_weight(*quantize_weight(w, recipe), recipe)
+    assert not torch.isnan(v).any() and (v[:128, :128] == 0).all()
+
+
+def test_native_recipe_passes_through():
+    x = randn(2, 40, seed=13, spread=False).bfloat16()
+    data, scales = quantize_act(x, BF16)
+    assert data is x and scales is None
+    assert fake_quantize_act(x, BF16).dtype == torch.float32
+    data, scales = quantize_weight(x, BF16)
+    assert data is x and scales is None and torch.equal(dequantize_weight(data, None, BF16), x.float())
+
+
+@pytest.mark.parametrize("recipe", [FP8, MX], ids=lambda r: r.name)
+def test_leading_dims_and_low_precision_input(recipe):
+    x = randn(2, 3, 4, 256, seed=14)
+    data, scales = quantize_act(x, recipe)
+    flat_data, flat_scales = quantize_act(x.reshape(-1, 256), recipe)
+    assert torch.equal(data.reshape(-1, 256).view(torch.uint8), flat_data.view(torch.uint8))
+    assert torch.equal(scales.reshape(flat_scales.shape), flat_scales)
+    xb = x.bfloat16()
+    assert torch.equal(fake_quantize_act(xb, recipe), fake_quantize_act(xb.float(), recipe))
+    assert fake_quantize_act(xb, recipe).dtype == torch.float32
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="multiple of"):
+        quantize_act(torch.ones(2, 100), FP8)
+    with pytest.raises(ValueError, match="multiple of"):
+        quantize_act(torch.ones(2, 48), MX)
+    with pytest.raises(ValueError, match="row dim 100"):
+        quantize_weight(torch.ones(100, 128), FP8)
+    with pytest.raises(ValueError, match="last dim 48"):
+        quantize_weight(torch.ones(4, 48), MX)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        dequantize_act(quantize_act(torch.ones(2, 256), FP8)[0], torch.ones(2, 3), FP8)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        dequantize_weight(quantize_weight(torch.ones(4, 64), MX)[0], None, MX)
+    with pytest.raises(ValueError, match="floating"):
+        quantize_act(torch.ones(2, 128, dtype=torch.int32), FP8)
