@@ -92,7 +92,9 @@ def _block_scales(amax: torch.Tensor, fmt: str, scale_format: str) -> tuple[torc
     """(scale as float32 for the math, scale as stored) for float32 block maxima."""
     max_value = _FORMAT_MAX[fmt]
     if scale_format == "fp32":
-        scale = amax.clamp_min(_FP32_SCALE_MIN_AMAX) / max_value
+        # Divide by a tensor, not a Python number: CUDA turns `t / number` into a multiply
+        # by the rounded reciprocal, which would make the scales differ from the CPU's.
+        scale = amax.clamp_min(_FP32_SCALE_MIN_AMAX) / torch.full_like(amax, max_value)
         return scale, scale
     if scale_format == "ue8m0":
         exponent = _pow2_exponent_above(amax.clamp_min(_UE8M0_MIN_AMAX), max_value)

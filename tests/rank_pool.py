@@ -62,10 +62,14 @@ class RankPool:
             q.put((fn, args, kwargs))
         out, errors = [None] * self.world_size, []
         for _ in range(self.world_size):
+            # once a rank failed, its peers may wait forever inside a collective: give them a little time
+            wait = min(timeout, 20) if errors else timeout
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value = self.results.get(timeout=wait)
             except queue.Empty:
                 self.close(force=True)
+                if errors:
+                    break
                 raise TimeoutError(f"{fn.__name__}: ranks did not finish within {timeout}s") from None
             if ok:
                 out[rank] = value
@@ -85,6 +89,7 @@ class RankPool:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

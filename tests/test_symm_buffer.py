@@ -1,0 +1,52 @@
+"""SymmBuffer on CPU: every rank's memory is really shared between the processes."""
+
+import glob
+
+import pytest
+import torch
+
+from megamoe_train import MegaMoEConfig, get_symm_buffer
+
+CFG = dict(num_experts=4, hidden=32, intermediate=16, topk=2, num_max_tokens_per_rank=8, block_m=8, dtype=torch.float32)
+
+
+def peer_writes_are_visible(rank, world):
+    cfg = MegaMoEConfig(**CFG)
+    buf = get_symm_buffer(None, cfg, timeout_s=20)
+    assert buf.layout.nbytes > 0 and buf.world_size == world
+    for name, reg in buf.layout.regions.items():
+        view = buf.region(name, (rank + 1) % world)
+        assert view.dtype == reg.dtype and tuple(view.shape) == reg.shape
+    # every rank writes its id into row `rank` of every peer's x region
+    for peer in range(world):
+        buf.region("x", peer)[rank].fill_(rank + 0.5)
+    buf.barrier()
+    x = buf.region("x")
+    for src in range(world):
+        assert (x[src] == src + 0.5).all()
+    # nothing is left in /dev/shm: files are unlinked once every rank mapped them
+    leftovers = glob.glob("/dev/shm/megamoe-*")
+    buf.destroy()
+    return leftovers
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_peer_writes_visible_and_no_shm_left(rank_pools, world):
+    leftovers = rank_pools(world).run(peer_writes_are_visible)
+    assert leftovers == [[]] * world
+
+
+def barrier_times_out_when_a_peer_is_missing(rank, world):
+    cfg = MegaMoEConfig(**CFG)
+    buf = get_symm_buffer(None, cfg, timeout_s=3)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="(?i)rank 1|timed out|monitored"):
+            buf.barrier()
+    import time
+
+    time.sleep(0.1 if rank == 0 else 5)  # rank 1 never arrives within the timeout
+
+
+def test_barrier_fails_loudly_instead_of_hanging(rank_pools):
+    rank_pools(2).run(barrier_times_out_when_a_peer_is_missing)
+    rank_pools(2).close(force=True)  # the group saw a failed collective; next tests start afresh
