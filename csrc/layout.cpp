@@ -57,7 +57,9 @@ std::vector<Region> buffer_layout(const LayoutSpec& spec) {
   LayoutBuilder b;
 
   // Workspace: small control data written by peers (names, counts) or read by kernels.
-  b.add("status", "int32", 4, {R, 4});                 // per-source input verdict of the current call
+  // per-source input verdict, double-buffered by call parity: a rank that raised after a failed
+  // exchange may publish its next verdict before a slower peer has read this one.
+  b.add("status", "int32", 4, {2, R, 4});
   b.add("signals", "int32", 4, {2, R});                // device barrier flags, one per peer and phase parity
   b.add("recv_counts", "int32", 4, {R, E});            // [src rank, local expert] tokens announced by src
   b.add("recv_names", "int32", 4, {R, T * K});         // src's names (token*K+k), grouped by local expert

@@ -3,18 +3,19 @@ import torch
 
 from rank_pool import RankPool
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, str], RankPool] = {}
 
 
 @pytest.fixture(scope="session")
 def rank_pools():
-    """rank_pools(n) -> a RankPool of n processes, started once per test session."""
+    """rank_pools(n, backend="gloo") -> a RankPool of n processes, started once per test session."""
 
-    def get(world_size: int) -> RankPool:
-        pool = _POOLS.get(world_size)
+    def get(world_size: int, backend: str = "gloo") -> RankPool:
+        key = (world_size, backend)
+        pool = _POOLS.get(key)
         if pool is None or not pool.alive:
-            _POOLS[world_size] = RankPool(world_size)
-        return _POOLS[world_size]
+            _POOLS[key] = RankPool(world_size, backend)
+        return _POOLS[key]
 
     yield get
     for pool in _POOLS.values():

@@ -1,4 +1,4 @@
-"""A pool of real processes, one per rank, joined in a gloo process group, that runs test
+"""A pool of real processes, one per rank, joined in a process group (gloo on CPU, NCCL on GPUs), that runs test
 functions on every rank. Starting processes is the slow part, so one pool serves many tests."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from megamoe_train.launch import free_port
 STOP = "stop"
 
 
-def _worker(rank, world_size, port, tasks, results):
+def _worker(rank, world_size, port, backend, tasks, results):
     import torch
     import torch.distributed as dist
 
     from megamoe_train.launch import init_rank
 
     torch.set_num_threads(1)
-    init_rank(rank, world_size, port, "gloo")
+    init_rank(rank, world_size, port, backend)
     while True:
         task = tasks.get()
         if task == STOP:
@@ -38,14 +38,14 @@ def _worker(rank, world_size, port, tasks, results):
 
 
 class RankPool:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:

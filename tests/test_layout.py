@@ -17,7 +17,7 @@ def python_layout(cfg: MegaMoEConfig, R: int):
     sc = recipe.scale_storage_dtype
     ab = recipe.act_block
     regions = [
-        ("status", torch.int32, (R, 4)),
+        ("status", torch.int32, (2, R, 4)),
         ("signals", torch.int32, (2, R)),
         ("recv_counts", torch.int32, (R, E)),
         ("recv_names", torch.int32, (R, T * K)),

@@ -56,28 +56,30 @@ def _tolerance(cfg):
     return 1e-5 if cfg.dtype == torch.float32 else 2e-2
 
 
-def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False):
+def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto"):
+    """mega_moe on this rank (on the group's device: CUDA under NCCL) against the dense oracle on CPU."""
     cfg = MegaMoEConfig(**cfg_kwargs)
     prob = make_problem(cfg, world, tokens, seed, routing)
     E_l = cfg.num_experts // world
     mine = slice(rank * E_l, (rank + 1) * E_l)
-    x = prob["x"][rank].clone().requires_grad_()
-    tw = prob["w"][rank].clone().requires_grad_()
-    w1 = prob["w1"][mine].clone().requires_grad_()
-    w2 = prob["w2"][mine].clone().requires_grad_()
+    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
+    dev = buf.device
+    leaf = lambda t: t.clone().to(dev).requires_grad_()
+    x, tw = leaf(prob["x"][rank]), leaf(prob["w"][rank])
+    w1, w2 = leaf(prob["w1"][mine]), leaf(prob["w2"][mine])
     shared = {}
     if cfg.num_shared_experts:
-        shared = dict(shared_w1=prob["sw1"].clone().requires_grad_(), shared_w2=prob["sw2"].clone().requires_grad_())
-    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
-    stats = torch.zeros(E_l, dtype=torch.int64)
+        shared = dict(shared_w1=leaf(prob["sw1"]), shared_w2=leaf(prob["sw2"]))
+    stats = torch.zeros(E_l, dtype=torch.int64, device=dev)
+    idx, gy = prob["idx"][rank].to(dev), prob["gy"][rank].to(dev)
 
     def run():
-        y = mega_moe(x, prob["idx"][rank], tw, w1, w2, buf, recv_stats=stats, **shared)
-        (y.float() * prob["gy"][rank].float()).sum().backward()
-        grads = [t.grad.clone() for t in (x, tw, w1, w2, *shared.values())]
+        y = mega_moe(x, idx, tw, w1, w2, buf, recv_stats=stats, backend=backend, **shared)
+        (y.float() * gy.float()).sum().backward()
+        grads = [t.grad.cpu() for t in (x, tw, w1, w2, *shared.values())]
         for t in (x, tw, w1, w2, *shared.values()):
             t.grad = None
-        return y.detach(), grads
+        return y.detach().cpu(), grads
 
     y, grads = run()
 
@@ -119,7 +121,7 @@ def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", 
     # recv stats: rows each local expert received from all ranks.
     all_idx = torch.cat(prob["idx"])
     true_counts = torch.stack([(all_idx == e).sum() for e in range(mine.start, mine.stop)])
-    assert torch.equal(stats, true_counts), (stats, true_counts)
+    assert torch.equal(stats.cpu(), true_counts), (stats, true_counts)
 
     if repeat:  # same inputs, same bits, forward and backward
         y2, grads2 = run()

@@ -122,11 +122,12 @@ def _exchange_status(buf: SymmBuffer, problem: str | None):
     """Publish this rank's verdict on its inputs to every peer, barrier, and raise everywhere if any
     rank had bad input. Rows are never exchanged for a failed call, so the buffer stays usable."""
     buf.call_count += 1
+    parity = buf.call_count % 2
     verdict = torch.tensor([STATUS_BAD if problem else STATUS_OK, buf.call_count, 0, 0], dtype=torch.int32)
     for peer in range(buf.world_size):
-        buf.region("status", peer)[buf.rank].copy_(verdict)
+        buf.region("status", peer)[parity, buf.rank].copy_(verdict)
     buf.barrier()
-    status = buf.region("status").cpu()
+    status = buf.region("status")[parity].cpu()
     if problem:
         raise MegaMoEInputError(f"mega_moe (rank {buf.rank}): {problem}")
     bad = [r for r in range(buf.world_size) if int(status[r, 0]) != STATUS_OK]
