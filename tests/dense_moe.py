@@ -35,8 +35,8 @@ def dense_moe(x, topk_idx, topk_weights, w1, w2, cfg, shared_w1=None, shared_w2=
         fq_w = lambda t: dequantize_weight(*quantize_weight(t, recipe), recipe)
         xq = _ste(x.to(f32), fq_act)
         w1q, w2q = _ste(w1.to(f32), fq_w), _ste(w2.to(f32), fq_w)
-    else:
-        xq, w1q, w2q = x.to(f32), w1.to(f32), w2.to(f32)
+    else:  # the bf16 recipe keeps weights and activations in the compute dtype
+        xq, w1q, w2q = (t.to(cfg.dtype).to(f32) for t in (x, w1, w2))
     y = torch.zeros(x.shape[0], cfg.hidden, dtype=f32)
     for e in range(cfg.num_experts):
         tokens, slots = (topk_idx == e).nonzero(as_tuple=True)

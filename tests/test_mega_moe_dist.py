@@ -53,7 +53,7 @@ def rel_err(a, b):
 def _tolerance(cfg):
     if cfg.precision.quantized:
         return 2e-2  # one e4m3 step flipped by a different fp32 summation order is ~6% of one element
-    return 1e-5 if cfg.dtype == torch.float32 else 2e-2
+    return 1e-5 if cfg.dtype == torch.float32 else 1e-2  # bf16 rounding of combine rows is ~2e-3
 
 
 def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto"):
