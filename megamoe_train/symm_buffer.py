@@ -66,9 +66,10 @@ class _SharedMemoryPeers:
 class _CudaSymmetricPeers:
     """CUDA transport: PyTorch symmetric memory (CUDA P2P backend)."""
 
-    def __init__(self, nbytes: int, group, device: torch.device):
+    def __init__(self, nbytes: int, group, device: torch.device, timeout_s: float):
         from torch.distributed import _symmetric_memory as symm_mem
 
+        self.timeout_ms = int(timeout_s * 1000)
         group_name = group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(group_name)
@@ -83,7 +84,8 @@ class _CudaSymmetricPeers:
         self.barrier()
 
     def barrier(self):
-        self.handle.barrier(channel=0)
+        # device-side barrier over the signal pads; traps (a loud CUDA error) after the timeout
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
     def close(self):
         self.peers = []
@@ -107,7 +109,7 @@ class SymmBuffer:
         self.layout: BufferLayout = buffer_layout(config, self.world_size)
         self.num_local_experts = config.experts_per_rank(self.world_size)
         if self.device.type == "cuda":
-            self._transport = _CudaSymmetricPeers(self.layout.nbytes, group, self.device)
+            self._transport = _CudaSymmetricPeers(self.layout.nbytes, group, self.device, timeout_s)
         else:
             self._transport = _SharedMemoryPeers(self.layout.nbytes, group, timeout_s)
         self._views = {}
