@@ -77,10 +77,6 @@ def _store_act(a32: torch.Tensor, recipe, dtype: torch.dtype):
     return quantize_act(a32 if recipe.quantized else a32.to(dtype), recipe)
 
 
-def _load_act(data: torch.Tensor, scales, recipe) -> torch.Tensor:
-    return dequantize_act(data, scales, recipe)
-
-
 def shared_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, clamp):
     """Dense shared-expert MLP (fc1 is [gate; up]) in float32; returns (out, pre-activation)."""
     h = x.float() @ w1.float().t()
@@ -199,7 +195,7 @@ def reference_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     offsets, counts = plan.expert_offsets.tolist(), plan.expert_counts.tolist()
     for e in range(buf.num_local_experts):
         rows = slice(offsets[e], offsets[e] + counts[e])
-        x_in = _load_act(pool_x[rows], pool_xs[rows] if pool_xs is not None else None, recipe)
+        x_in = dequantize_act(pool_x[rows], pool_xs[rows] if pool_xs is not None else None, recipe)
         h = x_in @ w1[e].t()
         pre_act[rows] = h
         a = swiglu(h, weights.chunk, cfg.activation_clamp) * pool_w[rows, None]
@@ -207,7 +203,7 @@ def reference_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         pool_act[rows] = a_data
         if pool_as is not None:
             pool_as[rows] = a_scales
-        out_rows[rows] = (_load_act(pool_act[rows], pool_as[rows] if pool_as is not None else None, recipe) @ w2[e].t()).to(cfg.dtype)
+        out_rows[rows] = (dequantize_act(pool_act[rows], pool_as[rows] if pool_as is not None else None, recipe) @ w2[e].t()).to(cfg.dtype)
     for src, rows, tokens, slots in _rows_by_source(buf, row_src, row_name):
         buf.region("combine", src)[slots, tokens] = out_rows[rows]
 
@@ -273,12 +269,12 @@ def reference_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
         dy = pool_grad[rows].float()
         h, w = saved.pre_act[rows], saved.row_weights[rows, None]
         s = swiglu(h, weights.chunk, cfg.activation_clamp)
-        a = _load_act(*_store_act(s * w, recipe, cfg.dtype), recipe)  # the L2 input forward used
+        a = dequantize_act(*_store_act(s * w, recipe, cfg.dtype), recipe)  # the L2 input forward used
         grad_a = dy @ w2[e]
         grad_w2[e] = dy.t() @ a
         dw_rows[rows] = (grad_a * s).sum(1)
         grad_h = swiglu_backward(h, weights.chunk, cfg.activation_clamp, grad_a * w)
-        x_in = _load_act(saved.pool_x[rows], saved.pool_x_scales[rows] if saved.pool_x_scales is not None else None, recipe)
+        x_in = dequantize_act(saved.pool_x[rows], saved.pool_x_scales[rows] if saved.pool_x_scales is not None else None, recipe)
         dx_rows[rows] = (grad_h @ w1[e]).to(cfg.dtype)
         grad_w1[e] = grad_h.t() @ x_in
 
