@@ -77,6 +77,11 @@ def _store_act(a32: torch.Tensor, recipe, dtype: torch.dtype):
     return quantize_act(a32 if recipe.quantized else a32.to(dtype), recipe)
 
 
+def _scale_rows(scales: torch.Tensor | None, rows):
+    """Rows of a scale tensor; None stays None (the native recipe has no scales)."""
+    return None if scales is None else scales[rows]
+
+
 def shared_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, clamp):
     """Dense shared-expert MLP (fc1 is [gate; up]) in float32; returns (out, pre-activation)."""
     h = x.float() @ w1.float().t()
@@ -195,7 +200,7 @@ def reference_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     offsets, counts = plan.expert_offsets.tolist(), plan.expert_counts.tolist()
     for e in range(buf.num_local_experts):
         rows = slice(offsets[e], offsets[e] + counts[e])
-        x_in = dequantize_act(pool_x[rows], pool_xs[rows] if pool_xs is not None else None, recipe)
+        x_in = dequantize_act(pool_x[rows], _scale_rows(pool_xs, rows), recipe)
         h = x_in @ w1[e].t()
         pre_act[rows] = h
         a = swiglu(h, weights.chunk, cfg.activation_clamp) * pool_w[rows, None]
@@ -203,7 +208,7 @@ def reference_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         pool_act[rows] = a_data
         if pool_as is not None:
             pool_as[rows] = a_scales
-        out_rows[rows] = (dequantize_act(pool_act[rows], pool_as[rows] if pool_as is not None else None, recipe) @ w2[e].t()).to(cfg.dtype)
+        out_rows[rows] = (dequantize_act(pool_act[rows], _scale_rows(pool_as, rows), recipe) @ w2[e].t()).to(cfg.dtype)
     for src, rows, tokens, slots in _rows_by_source(buf, row_src, row_name):
         buf.region("combine", src)[slots, tokens] = out_rows[rows]
 
@@ -224,7 +229,7 @@ def reference_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         row_src=row_src,
         row_name=row_name,
         pool_x=pool_x[:P].clone(),
-        pool_x_scales=pool_xs[:P].clone() if pool_xs is not None else None,
+        pool_x_scales=None if pool_xs is None else pool_xs[:P].clone(),
         pre_act=pre_act,
         row_weights=pool_w[:P].clone(),
         x=x if shared is not None else None,
@@ -274,7 +279,7 @@ def reference_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
         grad_w2[e] = dy.t() @ a
         dw_rows[rows] = (grad_a * s).sum(1)
         grad_h = swiglu_backward(h, weights.chunk, cfg.activation_clamp, grad_a * w)
-        x_in = dequantize_act(saved.pool_x[rows], saved.pool_x_scales[rows] if saved.pool_x_scales is not None else None, recipe)
+        x_in = dequantize_act(saved.pool_x[rows], _scale_rows(saved.pool_x_scales, rows), recipe)
         dx_rows[rows] = (grad_h @ w1[e]).to(cfg.dtype)
         grad_w1[e] = grad_h.t() @ x_in
 
