@@ -81,6 +81,11 @@ class _CudaSymmetricPeers:
         self.peers = [
             self.local if r == rank else self.handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)
         ]
+        ptrs = list(self.handle.buffer_ptrs)
+        if ptrs[rank] != self.local.data_ptr():
+            raise RuntimeError("symmetric memory: the local buffer does not start at its symmetric base address")
+        # Base address of every rank's buffer, for kernels that address peers directly.
+        self.base_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.barrier()
 
     def barrier(self):
@@ -89,6 +94,7 @@ class _CudaSymmetricPeers:
 
     def close(self):
         self.peers = []
+        self.base_ptrs = None
         self.handle = None
         self.local = None
 
@@ -131,6 +137,17 @@ class SymmBuffer:
     def barrier(self):
         """Cross-rank barrier: all writes any rank made before it are visible after it."""
         self._transport.barrier()
+
+    @property
+    def peer_base_ptrs(self) -> torch.Tensor:
+        """int64 [R] device tensor: base address of every rank's buffer (CUDA only). A region's
+        row on rank r lives at peer_base_ptrs[r] + layout.regions[name].offset + row * row_bytes."""
+        if not self._views:
+            raise RuntimeError("SymmBuffer: used after destroy()")
+        ptrs = getattr(self._transport, "base_ptrs", None)
+        if ptrs is None:
+            raise RuntimeError("SymmBuffer.peer_base_ptrs: only CUDA symmetric memory has device addresses")
+        return ptrs
 
     def destroy(self):
         """Free the buffer on every rank (collective)."""

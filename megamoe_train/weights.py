@@ -69,6 +69,19 @@ class ExpertWeights:
         """float32 [E, H, I]."""
         return dequantize_weight(self.w2, self.w2_scales, get_recipe(self.recipe))
 
+    def compute_copies(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1, w2) as exact-as-possible `dtype` values in kernel layout, made once per weight
+        version (this object lives as long as the cache entry): backward GEMMs read these."""
+        cached = self.__dict__.get("_compute_copies")
+        if cached is None or cached[0] != dtype:
+            if self.w1.dtype == dtype:
+                w1, w2 = self.w1, self.w2
+            else:
+                w1, w2 = self.dequantize_w1().to(dtype), self.dequantize_w2().to(dtype)
+            cached = (dtype, w1, w2)
+            self.__dict__["_compute_copies"] = cached
+        return cached[1], cached[2]
+
 
 # w1 -> (cache key, weakref to w2, result). Keyed by identity: a plain WeakKeyDictionary
 # compares tensors with ==, which is elementwise and fails. Entries die with w1, and values

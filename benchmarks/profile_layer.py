@@ -1,0 +1,98 @@
+"""Profile one mega_moe forward+backward on every GPU of this host (dev tool for kernel work).
+
+  python benchmarks/profile_layer.py --shape S1 --recipe fp8 [--world 2] [--backend triton]
+
+Prints the median forward and forward+backward times, then rank 0's CUDA kernels of one
+profiled iteration, by total time: where to look next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
+from megamoe_train.launch import spawn
+
+SHAPES = {  # experts, topk, hidden, intermediate, tokens per GPU
+    "S1": (256, 6, 4096, 2048, 8192),
+    "S2": (128, 8, 2048, 768, 16384),
+    "S3": (8, 2, 4096, 14336, 8192),
+    "small": (32, 4, 1024, 512, 2048),
+}
+
+
+def make_inputs(cfg: MegaMoEConfig, rank: int, world: int, dev, seed: int = 0):
+    g = torch.Generator(device=dev).manual_seed(seed * 1000 + rank)
+    E, H, I, K, T = cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk, cfg.num_max_tokens_per_rank
+    E_l = E // world
+    x = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)
+    idx = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
+    tw = torch.rand(T, K, device=dev, generator=g)
+    w1 = torch.randn(E_l, 2 * I, H, device=dev, generator=g, dtype=torch.bfloat16) * H**-0.5
+    w2 = torch.randn(E_l, H, I, device=dev, generator=g, dtype=torch.bfloat16) * I**-0.5
+    return x, idx, tw, w1, w2
+
+
+def _time(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(rank, world, shape, recipe, backend, iters):
+    E, K, H, I, T = SHAPES[shape]
+    cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
+    buf = get_symm_buffer(None, cfg)
+    dev = buf.device
+    x, idx, tw, w1, w2 = make_inputs(cfg, rank, world, dev)
+    leaves = [t.requires_grad_() for t in (x, tw, w1, w2)]
+    gy = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            mega_moe(x, idx, tw, w1, w2, buf, backend=backend)
+
+    def fwd_bwd():
+        y = mega_moe(x, idx, tw, w1, w2, buf, backend=backend)
+        y.backward(gy)
+        for t in leaves:
+            t.grad = None
+
+    for _ in range(3):
+        fwd_bwd()
+    t_fwd, t_all = _time(fwd, iters), _time(fwd_bwd, iters)
+    if rank == 0:
+        print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, forward+backward {t_all:.3f} ms", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="S1", choices=sorted(SHAPES))
+    p.add_argument("--recipe", default="bf16")
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args()
+    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters), backend="nccl")
+
+
+if __name__ == "__main__":
+    main()

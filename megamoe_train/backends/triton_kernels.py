@@ -1,0 +1,297 @@
+"""Triton kernels of the GPU backend, each with a small launcher.
+
+Peer memory is addressed through a table of every rank's buffer base address (int64 [R],
+from torch symmetric memory): a row of region `r` on rank `s` lives at
+table[s] + r.offset + row * row_bytes. Rows move with plain SM loads and stores over NVLink.
+
+Kernels never read the host: how many pool rows are live comes from device tensors, grids are
+sized for the worst case and idle programs exit at once. That keeps the whole layer free of
+host synchronization and capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float32: tl.float32,
+    torch.float8_e4m3fn: tl.float8e4nv,
+}
+E4M3_MAX = 448.0
+FP32_SCALE_MIN_AMAX = 1e-4  # quant.py's clamp: all-zero blocks keep a finite scale
+
+
+# ----------------------------------------------------------------------------- row movement
+
+
+@triton.jit
+def _pull_rows_kernel(
+    peer_bases, region_offset, row_bytes, dst, dst_stride,
+    row_src, row_token, num_rows_ptr,
+    width, rows_per_prog,
+    ELEM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dst[p, :width] = region[row_token[p]] of rank row_src[p]; zeros where row_src[p] < 0."""
+    num_rows = tl.load(num_rows_ptr)
+    start = tl.program_id(0) * rows_per_prog
+    if start >= num_rows:
+        return
+    cols = tl.arange(0, BLOCK)
+    for p in range(start, tl.minimum(start + rows_per_prog, num_rows)):
+        src = tl.load(row_src + p)
+        tok = tl.load(row_token + p).to(tl.int64)
+        base = tl.load(peer_bases + tl.maximum(src, 0))
+        row = (base + region_offset + tok * row_bytes).to(tl.pointer_type(ELEM))
+        for c in range(0, width, BLOCK):
+            m = (c + cols) < width
+            v = tl.load(row + c + cols, mask=m & (src >= 0), other=0)
+            tl.store(dst + p.to(tl.int64) * dst_stride + c + cols, v, mask=m)
+
+
+def pull_rows(peer_bases, region, dst, row_src, row_token, num_rows, rows_per_prog: int = 8):
+    """Gather rows of a symmetric region from their source ranks into local `dst` [Pmax, width]."""
+    width = dst.shape[1]
+    block = min(triton.next_power_of_2(width), 2048)
+    grid = (triton.cdiv(dst.shape[0], rows_per_prog),)
+    _pull_rows_kernel[grid](
+        peer_bases, region.offset, region.nbytes // region.shape[0], dst, dst.stride(0),
+        row_src, row_token, num_rows, width, rows_per_prog,
+        ELEM=_TL_DTYPES[dst.dtype], BLOCK=block, num_warps=4,
+    )
+
+
+@triton.jit
+def _push_rows_kernel(
+    peer_bases, region_offset, slot_stride_rows, row_bytes, src_rows, src_stride,
+    row_dst, row_token, row_slot, num_rows_ptr,
+    width, rows_per_prog,
+    scalar_region_offset, scalar_values, topk,
+    ELEM: tl.constexpr, BLOCK: tl.constexpr, WITH_SCALAR: tl.constexpr,
+):
+    """region[row_slot[p], row_token[p]] of rank row_dst[p] = src_rows[p]; optionally also
+    scalar_region[row_token[p], row_slot[p]] (fp32 [T, K]) = scalar_values[p]."""
+    num_rows = tl.load(num_rows_ptr)
+    start = tl.program_id(0) * rows_per_prog
+    if start >= num_rows:
+        return
+    cols = tl.arange(0, BLOCK)
+    for p in range(start, tl.minimum(start + rows_per_prog, num_rows)):
+        dst_rank = tl.load(row_dst + p)
+        if dst_rank >= 0:
+            tok = tl.load(row_token + p).to(tl.int64)
+            slot = tl.load(row_slot + p).to(tl.int64)
+            base = tl.load(peer_bases + dst_rank)
+            row = (base + region_offset + (slot * slot_stride_rows + tok) * row_bytes).to(tl.pointer_type(ELEM))
+            for c in range(0, width, BLOCK):
+                m = (c + cols) < width
+                v = tl.load(src_rows + p.to(tl.int64) * src_stride + c + cols, mask=m)
+                tl.store(row + c + cols, v, mask=m)
+            if WITH_SCALAR:
+                sp = (base + scalar_region_offset + (tok * topk + slot) * 4).to(tl.pointer_type(tl.float32))
+                tl.store(sp, tl.load(scalar_values + p))
+
+
+def push_rows(peer_bases, region, src_rows, row_dst, row_token, row_slot, num_rows,
+              scalar_region=None, scalar_values=None, topk: int = 1, rows_per_prog: int = 8):
+    """Scatter local rows into [slot, token] of a [S, T, width] symmetric region on their home ranks."""
+    width = src_rows.shape[1]
+    block = min(triton.next_power_of_2(width), 2048)
+    slots, tokens = region.shape[0], region.shape[1]
+    grid = (triton.cdiv(src_rows.shape[0], rows_per_prog),)
+    with_scalar = scalar_region is not None
+    _push_rows_kernel[grid](
+        peer_bases, region.offset, tokens, region.nbytes // (slots * tokens), src_rows, src_rows.stride(0),
+        row_dst, row_token, row_slot, num_rows, width, rows_per_prog,
+        scalar_region.offset if with_scalar else 0, scalar_values if with_scalar else src_rows, topk,
+        ELEM=_TL_DTYPES[src_rows.dtype], BLOCK=block, WITH_SCALAR=with_scalar, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+
+
+@triton.jit
+def _gate_up_cols(j, CHUNK: tl.constexpr):
+    """Columns of the interleaved fc1 output holding gate and up of activation column j."""
+    gate = (j // CHUNK) * (2 * CHUNK) + j % CHUNK
+    return gate, gate + CHUNK
+
+
+@triton.jit
+def _swiglu_forward_kernel(
+    h, h_stride, row_weight, act, act_stride, act_scales, scales_stride, num_rows_ptr,
+    inter, clamp,
+    CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """act = silu(min(g, c)) * clamp(u, -c, c) * w_row; with QUANT, e4m3 + one fp32 scale per
+    BLOCK_C (=128) columns of a row, as quant.quantize_act."""
+    num_rows = tl.load(num_rows_ptr)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= num_rows:
+        return
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < num_rows
+    j = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    gc, uc = _gate_up_cols(j, CHUNK)
+    g = tl.load(h + rows[:, None] * h_stride + gc[None, :], mask=rmask[:, None], other=0).to(tl.float32)
+    u = tl.load(h + rows[:, None] * h_stride + uc[None, :], mask=rmask[:, None], other=0).to(tl.float32)
+    if HAS_CLAMP:
+        g = tl.minimum(g, clamp)
+        u = tl.minimum(tl.maximum(u, -clamp), clamp)
+    w = tl.load(row_weight + rows, mask=rmask, other=0)
+    a = g / (1.0 + tl.exp(-g)) * u * w[:, None]
+    if QUANT:
+        amax = tl.max(tl.abs(a), axis=1)
+        scale = tl.maximum(amax, 1e-4) / 448.0
+        q = tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0)
+        tl.store(act + rows[:, None] * act_stride + j[None, :], q.to(tl.float8e4nv), mask=rmask[:, None])
+        tl.store(act_scales + rows * scales_stride + tl.program_id(1), scale, mask=rmask)
+    else:
+        tl.store(act + rows[:, None] * act_stride + j[None, :], a.to(act.dtype.element_ty), mask=rmask[:, None])
+
+
+def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None):
+    """Fused clamp + SwiGLU + topk weight (+ e4m3 requantization) over the live pool rows."""
+    rows, inter = act.shape
+    block_c = 128
+    assert inter % block_c == 0, "intermediate size must be a multiple of 128"
+    grid = (triton.cdiv(rows, 32), inter // block_c)
+    _swiglu_forward_kernel[grid](
+        h, h.stride(0), row_weight, act, act.stride(0),
+        act_scales if act_scales is not None else row_weight,
+        act_scales.stride(0) if act_scales is not None else 0, num_rows,
+        inter, float(clamp or 0.0),
+        CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=act_scales is not None,
+        BLOCK_R=32, BLOCK_C=block_c, num_warps=4,
+    )
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    h, h_stride, row_weight, grad_act, ga_stride, grad_h, gh_stride, grad_weight, num_rows_ptr,
+    inter, clamp,
+    CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """From dL/d(act) with act = s * w, s = silu(g') * u': dL/dh (interleaved) and dL/dw per row.
+    One program owns whole rows, so the dL/dw sum has a fixed order (bitwise repeatable)."""
+    num_rows = tl.load(num_rows_ptr)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= num_rows:
+        return
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < num_rows
+    w = tl.load(row_weight + rows, mask=rmask, other=0)
+    dw = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c in range(0, inter, BLOCK_C):
+        j = c + tl.arange(0, BLOCK_C)
+        gc, uc = _gate_up_cols(j, CHUNK)
+        g = tl.load(h + rows[:, None] * h_stride + gc[None, :], mask=rmask[:, None], other=0).to(tl.float32)
+        u = tl.load(h + rows[:, None] * h_stride + uc[None, :], mask=rmask[:, None], other=0).to(tl.float32)
+        da = tl.load(grad_act + rows[:, None] * ga_stride + j[None, :], mask=rmask[:, None], other=0).to(tl.float32)
+        if HAS_CLAMP:
+            g_pass = g <= clamp
+            u_pass = (u >= -clamp) & (u <= clamp)
+            g = tl.minimum(g, clamp)
+            u = tl.minimum(tl.maximum(u, -clamp), clamp)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        silu = g * sig
+        dw += tl.sum(da * silu * u, axis=1)
+        ds = da * w[:, None]
+        dg = ds * u * sig * (1.0 + g * (1.0 - sig))
+        du = ds * silu
+        if HAS_CLAMP:
+            dg = tl.where(g_pass, dg, 0.0)
+            du = tl.where(u_pass, du, 0.0)
+        out_ty = grad_h.dtype.element_ty
+        tl.store(grad_h + rows[:, None] * gh_stride + gc[None, :], dg.to(out_ty), mask=rmask[:, None])
+        tl.store(grad_h + rows[:, None] * gh_stride + uc[None, :], du.to(out_ty), mask=rmask[:, None])
+    tl.store(grad_weight + rows, dw, mask=rmask)
+
+
+def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chunk: int, clamp: float | None):
+    rows, inter = grad_act.shape
+    assert inter % 128 == 0, "intermediate size must be a multiple of 128"
+    grid = (triton.cdiv(rows, 16),)
+    _swiglu_backward_kernel[grid](
+        h, h.stride(0), row_weight, grad_act, grad_act.stride(0), grad_h, grad_h.stride(0), grad_weight,
+        num_rows, inter, float(clamp or 0.0),
+        CHUNK=chunk, HAS_CLAMP=clamp is not None, BLOCK_R=16, BLOCK_C=128, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a, a_scales, b, b_scales, c, block_expert,
+    N, K,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    num_m_blocks,
+    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C[m, :] = A[m, :] @ B[e]^T for the rows of every BLOCK_M block, e = block_expert[block]
+    (-1: idle block). With SCALED, A is e4m3 with one fp32 scale per 1x128 and B e4m3 with one
+    per 128x128 block; each 128-deep partial product is scaled before it is accumulated."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n_blocks
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    e = tl.load(block_expert + pid_m)
+    if e < 0:
+        return
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a_tile = tl.load(a_ptrs)
+        b_tile = tl.load(b_ptrs)
+        if SCALED:
+            a_s = tl.load(a_scales + offs_m * stride_asm + kb)
+            b_s = tl.load(b_scales + e.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn + kb)
+            acc += tl.dot(a_tile, b_tile) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a_tile, b_tile, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c.dtype.element_ty))
+
+
+def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m: int = 128,
+                 block_n: int | None = None, num_stages: int | None = None):
+    """out[rows of block i] = a[rows] @ b[block_expert[i]]^T for every block_m-row block.
+
+    a [M, K] (bf16, or e4m3 with a_scales [M, K/128] fp32), b [E, N, K] (bf16, or e4m3 with
+    b_scales [E, N/128, K/128] fp32), block_expert int32 [M / block_m] (-1 = skip), out [M, N].
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    scaled = a_scales is not None
+    block_k = 128 if scaled else 64
+    block_n = block_n or (128 if scaled else 128)
+    assert M % block_m == 0 and N % block_n == 0 and K % block_k == 0, (M, N, K, block_m, block_n, block_k)
+    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    num_m_blocks = M // block_m
+    grid = (num_m_blocks * (N // block_n),)
+    _grouped_gemm_kernel[grid](
+        a, a_scales if scaled else a, b, b_scales if scaled else b, out, block_expert,
+        N, K,
+        a.stride(0), a_scales.stride(0) if scaled else 0, b.stride(0), b.stride(1),
+        b_scales.stride(0) if scaled else 0, b_scales.stride(1) if scaled else 0, out.stride(0),
+        num_m_blocks,
+        SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        num_warps=8, num_stages=num_stages or (4 if scaled else 4),
+    )
+    return out
