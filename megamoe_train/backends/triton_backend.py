@@ -272,10 +272,10 @@ def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, 
     grad_row_w = torch.empty(pool_rows, dtype=torch.float32, device=dev)
     K_.swiglu_backward(saved.pre_act, saved.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows, weights.chunk, cfg.activation_clamp)
     act = _as_compute(saved.act, saved.act_scales, recipe, cfg.dtype)
-    grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends, out_dtype=torch.float32)
+    grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
     grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
     x_in = _as_compute(saved.pool_x, saved.pool_x_scales, recipe, cfg.dtype)
-    grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends, out_dtype=torch.float32)
+    grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends)
 
     # 3. Push dX rows and d(topk weight) home; shared experts; barrier; reduce.
     K_.push_rows(
