@@ -76,11 +76,12 @@ def worker(rank, world, shape, recipe, backend, iters):
     t_fwd, t_all = _time(fwd, iters), _time(fwd_bwd, iters)
     if rank == 0:
         print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, forward+backward {t_all:.3f} ms", flush=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         fwd_bwd()
         torch.cuda.synchronize()
     if rank == 0:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=40), flush=True)
 
 
 def main():

@@ -7,7 +7,7 @@ import torch
 from .backends import Backend, resolve_backend
 from .symm_buffer import SymmBuffer
 from .validation import check_inputs
-from .weights import deinterleave_gate_up, transform_weights
+from .weights import transform_weights
 
 
 class MegaMoEFunction(torch.autograd.Function):
@@ -19,6 +19,7 @@ class MegaMoEFunction(torch.autograd.Function):
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
         y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None)
         ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
+        ctx.master = (w1.detach(), w2.detach())
         ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
         ctx.mark_non_differentiable(topk_idx)
         return y
@@ -27,10 +28,11 @@ class MegaMoEFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         buffer = ctx.buffer
         grad_y = grad_y.to(buffer.config.dtype).contiguous()
-        grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(buffer, ctx.saved, grad_y, ctx.weights, ctx.shared)
-        grad_w1 = deinterleave_gate_up(grad_w1, ctx.weights.chunk)  # back to Megatron's [gate; up] order
+        grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
+            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared, ctx.master
+        )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
-        ctx.saved = None
+        ctx.saved = ctx.master = None
         return (
             grad_x,
             None,

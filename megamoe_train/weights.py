@@ -69,16 +69,18 @@ class ExpertWeights:
         """float32 [E, H, I]."""
         return dequantize_weight(self.w2, self.w2_scales, get_recipe(self.recipe))
 
+    @property
+    def quantized(self) -> bool:
+        return self.w1_scales is not None
+
     def compute_copies(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1, w2) as exact-as-possible `dtype` values in kernel layout, made once per weight
-        version (this object lives as long as the cache entry): backward GEMMs read these."""
+        """(w1, w2) as the forward used them, in `dtype` and master order (fc1 [gate; up]), made
+        once per weight version (this object lives as long as its cache entry): what backward
+        GEMMs read."""
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
-            if self.w1.dtype == dtype:
-                w1, w2 = self.w1, self.w2
-            else:
-                w1, w2 = self.dequantize_w1().to(dtype), self.dequantize_w2().to(dtype)
-            cached = (dtype, w1, w2)
+            w1 = deinterleave_gate_up(self.dequantize_w1(), self.chunk).to(dtype)
+            cached = (dtype, w1, self.dequantize_w2().to(dtype))
             self.__dict__["_compute_copies"] = cached
         return cached[1], cached[2]
 

@@ -28,7 +28,7 @@ from ..quant import dequantize_act, quantize_act
 from ..routing import build_pool_plan, build_send_plan
 from ..symm_buffer import SymmBuffer
 from ..validation import MegaMoEInputError
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, deinterleave_gate_up
 
 STATUS_OK, STATUS_BAD = 1, 2
 
@@ -250,9 +250,10 @@ def _reduce_slots(buf: SymmBuffer, topk_idx: torch.Tensor, T: int) -> torch.Tens
     return out
 
 
-def reference_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared):
-    """Returns (grad_x, grad_topk_weights, grad_w1 interleaved, grad_w2, grad_shared_w1, grad_shared_w2),
-    weight gradients in float32."""
+def reference_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared, master=None):
+    """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2), weight
+    gradients in float32 and fc1's in master order [gate; up]. `master` (the parameters) is unused:
+    the oracle differentiates the dequantized kernel-layout weights."""
     cfg, recipe = buf.config, buf.config.precision
     K, T = cfg.topk, saved.num_tokens
 
@@ -297,4 +298,5 @@ def reference_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
     grad_x = _reduce_slots(buf, saved.topk_idx, T).to(cfg.dtype)
     mask = saved.topk_idx >= 0
     grad_topk_w = torch.where(mask, buf.region("combine_weight_grads")[:T], 0.0)
+    grad_w1 = deinterleave_gate_up(grad_w1, weights.chunk)
     return grad_x, grad_topk_w, grad_w1, grad_w2, grad_shared[0], grad_shared[1]

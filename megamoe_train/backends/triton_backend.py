@@ -66,16 +66,12 @@ class _CallChecks:
         ev.record()
         self.pending.append((ev, host, call))
 
-    def raise_ready(self, rank: int, wait: bool = False):
-        keep = []
-        for ev, host, call in self.pending:
-            if wait:
-                ev.synchronize()
-            if not ev.query():
-                keep.append((ev, host, call))
-                continue
+    def raise_ready(self, rank: int):
+        if torch.cuda.is_current_stream_capturing():
+            return
+        while self.pending and self.pending[0][0].query():
+            _, host, call = self.pending.pop(0)  # popped first: each verdict raises once
             _raise_on_bad_status(host, rank, call)
-        self.pending = keep
 
 
 def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int):
@@ -163,13 +159,7 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor) -> torch.Tensor:
 
 def _reduce_slots(buf: SymmBuffer, mask: torch.Tensor, T: int) -> torch.Tensor:
     cfg = buf.config
-    combine = buf.region("combine")
-    out = torch.zeros(T, cfg.hidden, dtype=torch.float32, device=buf.device)
-    for k in range(cfg.topk):
-        out += torch.where(mask[:, k, None], combine[k, :T].float(), 0.0)
-    if cfg.num_shared_experts:
-        out += combine[cfg.topk, :T].float()
-    return out
+    return K_.reduce_slots(buf.region("combine"), mask, T, bool(cfg.num_shared_experts), cfg.dtype)
 
 
 def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats, problem):
@@ -246,14 +236,23 @@ def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWe
         row_weights=row_w, act=act, act_scales=act_scales,
         x=x if shared is not None else None, shared_pre_act=shared_pre_act,
     )
-    return y.to(cfg.dtype), saved
+    return y, saved
+
+
+def _backward_weights(weights: ExpertWeights, master, dtype):
+    """fc1/fc2 in master order as the backward GEMMs read them: the parameters themselves when
+    the recipe stores them unquantized in `dtype`, else the dequantized forward weights."""
+    w1, w2 = master
+    if not weights.quantized and w1.dtype == dtype and w2.dtype == dtype:
+        return w1.detach(), w2.detach()
+    return weights.compute_copies(dtype)
 
 
 def _as_compute(data, scales, recipe, dtype):
     return data if scales is None else dequantize_act(data, scales, recipe).to(dtype)
 
 
-def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared):
+def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared, master):
     cfg, recipe = buf.config, buf.config.precision
     K, T, H, I = cfg.topk, saved.num_tokens, cfg.hidden, cfg.intermediate
     dev, regions, peers, plan = buf.device, buf.layout.regions, buf.peer_base_ptrs, saved.plan
@@ -266,7 +265,7 @@ def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, 
     K_.pull_rows(peers, regions["grad_y"], pool_grad, plan.row_src, plan.row_token, plan.num_rows)
 
     # 2. L2 dgrad, SwiGLU backward (+ d topk weight per row), wgrads, L1 dgrad.
-    w1, w2 = weights.compute_copies(cfg.dtype)
+    w1, w2 = _backward_weights(weights, master, cfg.dtype)
     grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
     grad_h = torch.empty(pool_rows, 2 * I, dtype=cfg.dtype, device=dev)
     grad_row_w = torch.empty(pool_rows, dtype=torch.float32, device=dev)
@@ -287,6 +286,6 @@ def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, 
         dx_shared, *grad_shared = shared_backward(saved.x, shared[0], shared[1], saved.shared_pre_act, cfg.activation_clamp, grad_y.float())
         buf.region("combine")[K, :T] = dx_shared.to(cfg.dtype)
     buf.barrier()
-    grad_x = _reduce_slots(buf, saved.own_mask, T).to(cfg.dtype)
+    grad_x = _reduce_slots(buf, saved.own_mask, T)
     grad_tw = torch.where(saved.own_mask, buf.region("combine_weight_grads")[:T], 0.0)
     return grad_x, grad_tw, grad_w1, grad_w2, grad_shared[0], grad_shared[1]

@@ -20,6 +20,7 @@ _TL_DTYPES = {
     torch.float16: tl.float16,
     torch.float32: tl.float32,
     torch.float8_e4m3fn: tl.float8e4nv,
+    torch.uint8: tl.uint8,
 }
 E4M3_MAX = 448.0
 FP32_SCALE_MIN_AMAX = 1e-4  # quant.py's clamp: all-zero blocks keep a finite scale
@@ -52,8 +53,14 @@ def _pull_rows_kernel(
             tl.store(dst + p.to(tl.int64) * dst_stride + c + cols, v, mask=m)
 
 
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """fp8 rows move as bytes (Triton cannot fill masked fp8 lanes with a literal)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def pull_rows(peer_bases, region, dst, row_src, row_token, num_rows, rows_per_prog: int = 8):
     """Gather rows of a symmetric region from their source ranks into local `dst` [Pmax, width]."""
+    dst = _movable(dst)
     width = dst.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
     grid = (triton.cdiv(dst.shape[0], rows_per_prog),)
@@ -98,6 +105,7 @@ def _push_rows_kernel(
 def push_rows(peer_bases, region, src_rows, row_dst, row_token, row_slot, num_rows,
               scalar_region=None, scalar_values=None, topk: int = 1, rows_per_prog: int = 8):
     """Scatter local rows into [slot, token] of a [S, T, width] symmetric region on their home ranks."""
+    src_rows = _movable(src_rows)
     width = src_rows.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
     slots, tokens = region.shape[0], region.shape[1]
@@ -177,7 +185,9 @@ def _swiglu_backward_kernel(
     inter, clamp,
     CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """From dL/d(act) with act = s * w, s = silu(g') * u': dL/dh (interleaved) and dL/dw per row.
+    """From dL/d(act) with act = s * w, s = silu(g') * u': dL/dh and dL/dw per row. h is read
+    interleaved (forward's layout); dL/dh is written in master order [gate | up], so the weight
+    gradient of fc1 comes out in Megatron's layout with no reordering pass.
     One program owns whole rows, so the dL/dw sum has a fixed order (bitwise repeatable)."""
     num_rows = tl.load(num_rows_ptr)
     r0 = tl.program_id(0) * BLOCK_R
@@ -208,8 +218,8 @@ def _swiglu_backward_kernel(
             dg = tl.where(g_pass, dg, 0.0)
             du = tl.where(u_pass, du, 0.0)
         out_ty = grad_h.dtype.element_ty
-        tl.store(grad_h + rows[:, None] * gh_stride + gc[None, :], dg.to(out_ty), mask=rmask[:, None])
-        tl.store(grad_h + rows[:, None] * gh_stride + uc[None, :], du.to(out_ty), mask=rmask[:, None])
+        tl.store(grad_h + rows[:, None] * gh_stride + j[None, :], dg.to(out_ty), mask=rmask[:, None])
+        tl.store(grad_h + rows[:, None] * gh_stride + inter + j[None, :], du.to(out_ty), mask=rmask[:, None])
     tl.store(grad_weight + rows, dw, mask=rmask)
 
 
@@ -222,6 +232,46 @@ def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chun
         num_rows, inter, float(clamp or 0.0),
         CHUNK=chunk, HAS_CLAMP=clamp is not None, BLOCK_R=16, BLOCK_C=128, num_warps=4,
     )
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+@triton.jit
+def _reduce_slots_kernel(
+    combine, slot_stride, mask, out, T, H, topk,
+    HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over k in 0..K-1 of combine[k, t] where mask[t, k] (+ combine[K, t]), in fp32,
+    in this fixed order. Unset slots are never read, so stale or poisoned rows cannot leak."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < T
+    offs = rows[:, None].to(tl.int64) * H + cols[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for k in range(0, topk):
+        m = tl.load(mask + rows * topk + k, mask=rmask, other=0) != 0
+        v = tl.load(combine + k * slot_stride + offs, mask=m[:, None], other=0.0).to(tl.float32)
+        acc += v
+    if HAS_SHARED:
+        acc += tl.load(combine + topk * slot_stride + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=rmask[:, None])
+
+
+def reduce_slots(combine, mask, num_tokens: int, has_shared: bool, out_dtype):
+    """Deterministic sum of a [S, T_max, H] combine buffer's slots for the first num_tokens tokens."""
+    topk = mask.shape[1]
+    H = combine.shape[2]
+    out = torch.empty(num_tokens, H, dtype=out_dtype, device=combine.device)
+    if num_tokens == 0:
+        return out
+    assert H % 128 == 0
+    grid = (triton.cdiv(num_tokens, 16), H // 128)
+    _reduce_slots_kernel[grid](
+        combine, combine.stride(0), mask.to(torch.uint8), out, num_tokens, H, topk,
+        HAS_SHARED=has_shared, BLOCK_T=16, BLOCK_H=128, num_warps=4,
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
