@@ -56,7 +56,7 @@ def _tolerance(cfg):
     return 1e-5 if cfg.dtype == torch.float32 else 1e-2  # bf16 rounding of combine rows is ~2e-3
 
 
-def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto"):
+def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto", tol=None):
     """mega_moe on this rank (on the group's device: CUDA under NCCL) against the dense oracle on CPU."""
     cfg = MegaMoEConfig(**cfg_kwargs)
     prob = make_problem(cfg, world, tokens, seed, routing)
@@ -99,7 +99,7 @@ def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", 
     refs = [xs[rank].grad, tws[rank].grad, W1.grad[mine], W2.grad[mine]] + ([SW[0].grad, SW[1].grad] if shared else [])
     names = ["x", "topk_weights", "w1", "w2", "shared_w1", "shared_w2"]
 
-    tol = _tolerance(cfg)
+    tol = tol or _tolerance(cfg)
     errors = {}
     if y.numel():
         errors["y"] = rel_err(y, y_ref)

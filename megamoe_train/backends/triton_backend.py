@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import dequantize_act, quantize_act
+from ..quant import quantize_act
 from ..symm_buffer import SymmBuffer
 from ..validation import MegaMoEInputError
 from ..weights import ExpertWeights
@@ -39,6 +39,7 @@ from .device_plan import DevicePlan, build_device_plan
 from .reference import shared_backward, shared_forward
 
 STATUS_OK, STATUS_BAD = 1, 2
+BF16_GROUP_ALIGN = 16
 SUPPORTED_RECIPES = ("bf16", "fp8")
 
 
@@ -150,7 +151,7 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor) -> torch.Tensor:
     parity = buf.call_count % 2
     word = torch.zeros(4, dtype=torch.int32, device=buf.device)
     word[0] = verdict
-    word[1] = buf.call_count
+    word[1].fill_(buf.call_count)  # a fill, not a host-to-device copy: capturable
     for peer in range(buf.world_size):
         buf.region("status", peer)[parity, buf.rank].copy_(word)
     buf.barrier()
@@ -182,6 +183,7 @@ def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWe
         _raise_on_bad_status(host_status, me, buf.call_count)
     if problem is not None:  # peers route nothing this call; finish its barriers, then raise
         buf.barrier()
+        checks.push(status, buf.call_count)  # like its peers, this rank raises again at the next call
         raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
     all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1] == buf.call_count).all()
 
@@ -189,7 +191,9 @@ def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWe
     ids = torch.stack([buf.region("topk_idx", s) for s in range(R)])
     ids = torch.where(all_ok, ids, -1)
     pool_rows = buf.layout.pool_rows
-    plan = build_device_plan(ids, me, E_l, bm, pool_rows)
+    # fp8 GEMM tiles are block_m rows of one expert; torch's bf16 grouped GEMM takes any group
+    # ends, so bf16 pads experts only to 16 rows (aligned offsets, ~no wasted rows).
+    plan = build_device_plan(ids, me, E_l, bm if recipe.quantized else BF16_GROUP_ALIGN, pool_rows)
     if recv_stats is not None:
         recv_stats += plan.expert_counts
 
@@ -248,8 +252,13 @@ def _backward_weights(weights: ExpertWeights, master, dtype):
     return weights.compute_copies(dtype)
 
 
-def _as_compute(data, scales, recipe, dtype):
-    return data if scales is None else dequantize_act(data, scales, recipe).to(dtype)
+def _as_compute(data, scales, num_rows, dtype):
+    """Stored activations as `dtype` values for the backward GEMMs (fp8: dequantized)."""
+    if scales is None:
+        return data
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    K_.dequantize_rows(data, scales, out, num_rows)
+    return out
 
 
 def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared, master):
@@ -270,10 +279,10 @@ def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, 
     grad_h = torch.empty(pool_rows, 2 * I, dtype=cfg.dtype, device=dev)
     grad_row_w = torch.empty(pool_rows, dtype=torch.float32, device=dev)
     K_.swiglu_backward(saved.pre_act, saved.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows, weights.chunk, cfg.activation_clamp)
-    act = _as_compute(saved.act, saved.act_scales, recipe, cfg.dtype)
+    act = _as_compute(saved.act, saved.act_scales, plan.num_rows, cfg.dtype)
     grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
     grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
-    x_in = _as_compute(saved.pool_x, saved.pool_x_scales, recipe, cfg.dtype)
+    x_in = _as_compute(saved.pool_x, saved.pool_x_scales, plan.num_rows, cfg.dtype)
     grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends)
 
     # 3. Push dX rows and d(topk weight) home; shared experts; barrier; reduce.

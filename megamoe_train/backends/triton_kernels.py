@@ -234,6 +234,28 @@ def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chun
     )
 
 
+@triton.jit
+def _dequantize_rows_kernel(data, scales, out, num_rows_ptr, width, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """out = e4m3 data * its 1x128 fp32 block scale, for the live rows."""
+    num_rows = tl.load(num_rows_ptr)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= num_rows:
+        return
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < num_rows
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(data + rows[:, None] * width + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    sc = tl.load(scales + rows * (width // BLOCK) + tl.program_id(1), mask=rmask, other=0.0)
+    tl.store(out + rows[:, None] * width + cols[None, :], (v * sc[:, None]).to(out.dtype.element_ty), mask=rmask[:, None])
+
+
+def dequantize_rows(data, scales, out, num_rows):
+    rows, width = data.shape
+    assert width % 128 == 0 and data.is_contiguous() and out.is_contiguous()
+    grid = (triton.cdiv(rows, 32), width // 128)
+    _dequantize_rows_kernel[grid](data, scales, out, num_rows, width, BLOCK_R=32, BLOCK=128, num_warps=4)
+
+
 # ----------------------------------------------------------------------------- combine
 
 

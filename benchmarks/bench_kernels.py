@@ -1,0 +1,149 @@
+"""Micro-benchmarks of the GPU backend's kernels against torch's built-ins, same shapes, one run.
+
+  python benchmarks/bench_kernels.py [--shape S1] [--world 2]
+
+- grouped GEMM, bf16: our Triton kernel vs torch._grouped_mm;
+- grouped GEMM, fp8: our 1x128/128x128 block-scaled Triton kernel vs torch._scaled_grouped_mm
+  (row-wise scales: cheaper scaling, the closest built-in) and vs torch._grouped_mm in bf16;
+- row movement over NVLink: our pull kernel (rows gathered from the peer's buffer by a row
+  list) vs a plain peer copy of the same bytes (copy engine), both GPUs at once, GB/s per GPU.
+Shapes: the expert GEMMs of one rank at the layer shapes of bench_layer.py, uniform routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from megamoe_train import MegaMoEConfig, get_symm_buffer
+from megamoe_train.backends import triton_kernels as K_
+from megamoe_train.launch import spawn
+from megamoe_train.quant import quantize_act, quantize_weight
+from megamoe_train.precision import get_recipe
+
+SHAPES = {"S1": (256, 6, 4096, 2048, 8192), "S2": (128, 8, 2048, 768, 16384), "S3": (8, 2, 4096, 14336, 8192)}
+
+
+def bench(fn, iters=20, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def gemm_case(E_l, rows_per_expert, N, Kd, block_m, dev):
+    rows = E_l * rows_per_expert
+    a = torch.randn(rows, Kd, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(E_l, N, Kd, device=dev, dtype=torch.bfloat16) * Kd**-0.5
+    ends = torch.arange(1, E_l + 1, device=dev, dtype=torch.int32) * rows_per_expert
+    block_expert = torch.arange(rows // block_m, device=dev, dtype=torch.int32) // (rows_per_expert // block_m)
+    return a, b, ends, block_expert
+
+
+def gemm_report(name, shape, rows, N, Kd, dev):
+    E, topk, H, I, T = SHAPES[shape]
+    E_l = E // dist.get_world_size()
+    per_expert = (T * topk // E_l // 128) * 128 or 128
+    a, b, ends, block_expert = gemm_case(E_l, per_expert, N, Kd, 128, dev)
+    flops = 2 * a.shape[0] * N * Kd
+    tf = lambda ms: flops / ms / 1e9
+    out = torch.empty(a.shape[0], N, device=dev, dtype=torch.bfloat16)
+    lines = []
+    t_torch = bench(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=ends))
+    t_ours = bench(lambda: K_.grouped_gemm(a, b, block_expert, out))
+    ref = torch._grouped_mm(a, b.transpose(1, 2), offs=ends).float()
+    err = float((out.float() - ref).norm() / ref.norm())
+    lines.append(f"{name} bf16 rows={a.shape[0]} N={N} K={Kd}: torch._grouped_mm {t_torch:.3f} ms ({tf(t_torch):.0f} TF/s), "
+                 f"ours {t_ours:.3f} ms ({tf(t_ours):.0f} TF/s), ours/torch {t_ours / t_torch:.2f}, rel err {err:.1e}")
+    recipe = get_recipe("fp8")
+    aq, a_s = quantize_act(a, recipe)
+    bq, b_s = quantize_weight(b, recipe)
+    best = None
+    for block_n, stages in ((128, 3), (128, 4), (256, 3)):
+        try:
+            t = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_n=block_n, num_stages=stages))
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
+            lines.append(f"  fp8 block_n={block_n} stages={stages}: failed {type(exc).__name__}: {str(exc)[:80]}")
+            continue
+        lines.append(f"  fp8 ours block_n={block_n} stages={stages}: {t:.3f} ms ({tf(t):.0f} TF/s)")
+        best = t if best is None else min(best, t)
+    # torch's fp8 grouped GEMM takes row-wise scales only: one per row of A, one per column of B.
+    a_row = a.float().abs().amax(1).clamp_min(1e-4) / 448
+    aq_row = (a.float() / a_row[:, None]).to(torch.float8_e4m3fn)
+    b_row = b.float().abs().amax(2).clamp_min(1e-4) / 448
+    bq_row = (b.float() / b_row[:, :, None]).to(torch.float8_e4m3fn)
+    try:
+        t_scaled = bench(lambda: torch._scaled_grouped_mm(aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16))
+        lines.append(f"{name} fp8 rows={a.shape[0]}: torch._scaled_grouped_mm (row-wise) {t_scaled:.3f} ms ({tf(t_scaled):.0f} TF/s), "
+                     f"ours (block-scaled) best {best:.3f} ms ({tf(best):.0f} TF/s), ours/torch {best / t_scaled:.2f}")
+    except Exception as exc:  # noqa: BLE001
+        lines.append(f"{name} fp8: torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:120]}")
+    return lines
+
+
+def worker(rank, world, shape):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, topk, H, I, T = SHAPES[shape]
+    lines = []
+    if rank == 0:
+        lines += gemm_report("L1", shape, None, 2 * I, H, dev)
+        lines += gemm_report("L2", shape, None, H, I, dev)
+    dist.barrier()
+    # Row movement: every pool row pulled from the peer (worst case: all rows remote).
+    cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=topk, num_max_tokens_per_rank=T, recipe="bf16")
+    buf = get_symm_buffer(None, cfg)
+    peer = (rank + 1) % world
+    n = T
+    buf.region("x").normal_()
+    row_src = torch.full((n,), peer, dtype=torch.int32, device=dev)
+    row_tok = torch.randperm(T, device=dev, dtype=torch.int64)[:n].to(torch.int32)
+    num_rows = torch.tensor([n], dtype=torch.int32, device=dev)
+    dst = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
+    nbytes = n * H * 2
+    src_view = buf.region("x", peer)[:n]
+
+    def pull():
+        K_.pull_rows(buf.peer_base_ptrs, buf.layout.regions["x"], dst, row_src, row_tok, num_rows)
+
+    def copy():
+        dst.copy_(src_view)
+
+    def both(fn):
+        dist.barrier()
+        return bench(fn)
+
+    t_pull, t_copy = both(pull), both(copy)
+    ok = torch.equal(dst, src_view)
+    pull()
+    ok = ok and torch.equal(dst, buf.region("x", peer)[row_tok.long()])
+    lines.append(f"rank {rank} pull {n} rows x {H} bf16 from the peer: ours {nbytes / t_pull / 1e6:.0f} GB/s, "
+                 f"peer copy (copy engine) {nbytes / t_copy / 1e6:.0f} GB/s, correct={ok}")
+    out = [None] * world
+    dist.all_gather_object(out, lines)
+    if rank == 0:
+        print(f"# {torch.cuda.get_device_name()} x{world}, shape {shape}")
+        for rank_lines in out:
+            print("\n".join(rank_lines))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="S1", choices=sorted(SHAPES))
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    a = p.parse_args()
+    spawn(worker, a.world, (a.shape,), backend="nccl")
+
+
+if __name__ == "__main__":
+    main()
