@@ -55,8 +55,11 @@ SHAPES = {
     "tiny": (8, 2, 256, 128, 64),
 }
 
-# relative error above which a case is flagged MISMATCH (ours vs native at the same recipe)
-TOL = {"bf16": 2e-2, "fp8": 1e-1}
+# relative error of y above which a case is flagged MISMATCH: ours vs native at the same recipe
+# (fp8: the two paths quantize differently, 1x128/128x128 blocks vs rows, ~6% each from bf16),
+# and for fp8 also ours vs the bf16 torch-native path
+TOL = {"bf16": 2e-2, "fp8": 1.5e-1}
+TOL_FP8_VS_BF16 = 1e-1
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -254,30 +257,31 @@ def routing_stats(idx, E, world, device) -> dict:
 
 
 def floor_ms(stats, H, I, recipe, rates) -> tuple[float | None, float | None, dict]:
-    """(fwd floor, fwd+bwd floor) in ms; the max over ranks of max(GEMM time, NVLink time).
-    fp8: all GEMMs at the fp8 rate (backward too: the floor of the recipe, not of our backward)."""
+    """(fwd floor, fwd+bwd floor) in ms: over ranks, the max of max(GEMM time, NVLink time),
+    i.e. perfect overlap of communication and compute on the busiest rank.
+    GEMM: the FLOPs of the rows that rank's experts got, at the dense 8192^3 rate of the recipe
+    (fp8: every GEMM at the fp8 rate, backward too: the floor of the recipe, not of a backward).
+    NVLink: the bytes of the busier direction of that GPU's link, at the peer-copy rate.
+    Forward: dispatch rows in the activation format, combine rows in bf16; backward: dY rows
+    (dispatch direction) and dX rows (combine direction), both bf16."""
     rate = rates["gemm_fp8_tflops"] if recipe == "fp8" else rates["gemm_bf16_tflops"]
     if rate is None:
         return None, None, {}
     nvl = rates["nvlink_gbps"]
     act_bytes = 1 if recipe == "fp8" else 2
+    gemm_fwd = link_fwd = link_all = 0.0  # ms, max over ranks
     f_fwd = f_all = 0.0
-    detail = {}
     for p in stats["per_rank"]:
         flops = 2.0 * p["recv_rows"] * H * 2 * I + 2.0 * p["recv_rows"] * I * H
-        gemm_fwd = flops / (rate * 1e12) * 1e3
-        # bytes one direction of this GPU's link carries, in and out (the larger)
-        fwd_in = p["dispatch_in"] * H * act_bytes + p["combine_in"] * H * 2
-        fwd_out = p["combine_in"] * H * act_bytes + p["dispatch_in"] * H * 2
-        bwd = (p["dispatch_in"] + p["combine_in"]) * H * 2  # dY pulled + dX pushed, bf16, each way
-        link_fwd = max(fwd_in, fwd_out)
-        link_all = link_fwd + bwd
-        nv_fwd = link_fwd / (nvl * 1e9) * 1e3 if nvl else 0.0
-        nv_all = link_all / (nvl * 1e9) * 1e3 if nvl else 0.0
-        f_fwd = max(f_fwd, gemm_fwd, nv_fwd)
-        f_all = max(f_all, 3 * gemm_fwd, nv_all)
-        detail = dict(gemm_fwd_ms=max(detail.get("gemm_fwd_ms", 0), gemm_fwd), nvlink_fwd_ms=max(detail.get("nvlink_fwd_ms", 0), nv_fwd))
-    return f_fwd, f_all, detail
+        g = flops / (rate * 1e12) * 1e3
+        d_in, c_in = p["dispatch_in"], p["combine_in"]  # rows arriving at this GPU in each phase
+        fwd_bytes = max(d_in * H * act_bytes + c_in * H * 2, c_in * H * act_bytes + d_in * H * 2)
+        bwd_bytes = (d_in + c_in) * H * 2
+        lf = fwd_bytes / (nvl * 1e9) * 1e3 if nvl else 0.0
+        la = (fwd_bytes + bwd_bytes) / (nvl * 1e9) * 1e3 if nvl else 0.0
+        gemm_fwd, link_fwd, link_all = max(gemm_fwd, g), max(link_fwd, lf), max(link_all, la)
+        f_fwd, f_all = max(f_fwd, g, lf), max(f_all, 3 * g, la)
+    return f_fwd, f_all, dict(gemm_fwd_ms=gemm_fwd, nvlink_fwd_ms=link_fwd, nvlink_fwdbwd_ms=link_all)
 
 
 # ----------------------------------------------------------------------------- one case
@@ -292,6 +296,8 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     group = dist.group.WORLD
     x, idx, tw, w1, w2, grad_y = make_case_tensors(E, K, H, I, T, world, rank, routing, args.seed, device, args.zipf)
     stats = routing_stats(idx, E, world, device)
+    log(rank, f"  rows routed {stats['rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
+        f"busiest rank {stats['rank_max_over_mean']:.2f}x mean")
     f_fwd, f_all, f_detail = floor_ms(stats, H, I, recipe, rates)
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(group, cfg, device=device)
@@ -356,7 +362,8 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         print(f"[rank {rank}] check failed: {check['error']}", flush=True)
     ok = agreed_ok(ok, device)
     tol = TOL[recipe]
-    verdict = "ok" if ok and check.get("err_y", 1) <= tol else "MISMATCH" if ok else "ERROR"
+    agree = ok and check.get("err_y", 1) <= tol and check.get("err_y_ours_vs_bf16", 0) <= TOL_FP8_VS_BF16
+    verdict = "ok" if agree else "MISMATCH" if ok else "ERROR"
     free_memory(device)
 
     rows = []
@@ -465,8 +472,8 @@ def run_micro(rank, world, device, args, shapes) -> list[dict]:
             out.append(row)
             log(
                 rank,
-                f"  micro {name} {layer} M={Mt} N={N} K={Kd} G={El}: torch bf16 {fmt(row['torch_grouped_mm_bf16'], '.0f')} | "
-                f"torch fp8 {fmt(row['torch_scaled_grouped_mm_fp8'], '.0f')} | ours bf16 {fmt(row['ours_bf16'], '.0f')} TFLOP/s",
+                f"  micro {name} {layer} M={Mt} N={N} K={Kd} G={El}: torch bf16 {fmt(row['torch_grouped_mm_bf16'], '.1f')} | "
+                f"torch fp8 {fmt(row['torch_scaled_grouped_mm_fp8'], '.1f')} | ours bf16 {fmt(row['ours_bf16'], '.1f')} TFLOP/s",
             )
             del a, w, aq, sa, wq, sw, ref
             free_memory(device)
