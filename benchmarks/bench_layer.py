@@ -303,7 +303,6 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     buf = get_symm_buffer(group, cfg, device=device)
     be = resolve_backend(args.backend, device)
     wq = native_moe.quantize_weights(w1.detach(), w2.detach()) if recipe == "fp8" else None
-    leaves = None
 
     def ours_fwd(xx, ww):
         return mega_moe(xx, idx, ww, w1, w2, buf, backend=args.backend)
@@ -335,41 +334,51 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
 
         return step
 
-    # ---- correctness, once per case
-    check = {}
-    ok = True
-    try:
+    # ---- correctness, once per case; an implementation that fails here is not timed
+    def run_once(f):
         clear_grads()
-        y_o = ours_fwd(x_leaf, tw_leaf)
-        y_o.backward(grad_y)
-        go = (y_o.detach(), x_leaf.grad, tw_leaf.grad)
+        y = f(x_leaf, tw_leaf)
+        y.backward(grad_y)
+        out = (y.detach(), x_leaf.grad, tw_leaf.grad)
         clear_grads()
-        y_n = native_fwd(x_leaf, tw_leaf)
-        y_n.backward(grad_y)
-        gn = (y_n.detach(), x_leaf.grad, tw_leaf.grad)
-        clear_grads()
-        check = dict(err_y=rel_err(go[0], gn[0], device), err_dx=rel_err(go[1], gn[1], device), err_dtw=rel_err(go[2], gn[2], device))
+        return out
+
+    check, results, usable = {}, {}, {}
+    for impl, f in (("ours", ours_fwd), ("native", native_fwd)):
+        good = True
+        try:
+            results[impl] = run_once(f)
+        except Exception as e:  # noqa: BLE001
+            good = False
+            check[f"error_{impl}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"[rank {rank}] {impl} failed in the check: {check[f'error_{impl}']}", flush=True)
+        usable[impl] = agreed_ok(good, device)
+        free_memory(device)
+    if usable["ours"] and usable["native"]:
+        go, gn = results["ours"], results["native"]
+        check.update(err_y=rel_err(go[0], gn[0], device), err_dx=rel_err(go[1], gn[1], device), err_dtw=rel_err(go[2], gn[2], device))
         if recipe == "fp8":  # both fp8 paths against the bf16 torch-native path
             with torch.no_grad():
                 y_ref = native_moe.native_moe_bf16(x, idx, tw, w1, w2, E, group)
             check["err_y_ours_vs_bf16"] = rel_err(go[0], y_ref, device)
             check["err_y_native_vs_bf16"] = rel_err(gn[0], y_ref, device)
             del y_ref
-        del y_o, y_n, go, gn
-    except Exception as e:  # noqa: BLE001
-        ok = False
-        check = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        print(f"[rank {rank}] check failed: {check['error']}", flush=True)
-    ok = agreed_ok(ok, device)
-    tol = TOL[recipe]
-    agree = ok and check.get("err_y", 1) <= tol and check.get("err_y_ours_vs_bf16", 0) <= TOL_FP8_VS_BF16
-    verdict = "ok" if agree else "MISMATCH" if ok else "ERROR"
+        del go, gn
+    results.clear()
+    if usable["ours"] and usable["native"]:
+        agree = check["err_y"] <= TOL[recipe] and check.get("err_y_ours_vs_bf16", 0) <= TOL_FP8_VS_BF16
+        verdict = "ok" if agree else "MISMATCH"
+    else:
+        verdict = "ERROR (" + ", ".join(k for k, v in usable.items() if not v) + ")"
     free_memory(device)
 
     rows = []
     for phase in args.phases:
         res = {}
         for impl, f in (("ours", ours_fwd), ("native", native_fwd)):
+            if not usable[impl]:
+                res[impl] = {"error": "failed in the correctness check; not timed"}
+                continue
             step = fwd_only(f) if phase == "fwd" else fwd_bwd(f)
             good = True
             try:
@@ -378,8 +387,10 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
                 good = False
                 r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"[rank {rank}] {impl} {phase} failed: {r['error']}", flush=True)
-            if not agreed_ok(good, device) and good:
-                r = {"error": "failed on another rank"}
+            if not agreed_ok(good, device):
+                usable[impl] = False  # do not run it again in this case
+                if good:
+                    r = {"error": "failed on another rank"}
             res[impl] = r
             clear_grads()
             free_memory(device)

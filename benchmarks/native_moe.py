@@ -115,10 +115,10 @@ def quantize_weights(w1: torch.Tensor, w2: torch.Tensor) -> Fp8Weights:
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """all_to_all_single of rows; any dtype travels as bytes (no reduction happens)."""
+    assert x.dim() == 2, "rows of a 2-D tensor"
     x = x.contiguous()
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    xb = x.view(x.shape[0], -1).view(torch.uint8)
-    ob = out.view(out.shape[0], -1).view(torch.uint8)
+    out = x.new_empty((sum(out_splits), x.shape[1]))
+    xb, ob = x.view(torch.uint8), out.view(torch.uint8)  # [rows, bytes per row]; fine with 0 rows
     dist.all_to_all_single(ob, xb, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
     return out
 
@@ -156,7 +156,8 @@ def make_plan(topk_idx: torch.Tensor, num_experts: int, group) -> Plan:
     flat = topk_idx.reshape(-1)
     key = torch.where(flat >= 0, flat, E)  # masked slots sort last and are never sent
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    # scatter_add, not bincount: bincount on CUDA syncs with the host to size its output
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))[:E]
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)  # [src rank, local expert]
     # the host sync every torch-native EP layer pays: split sizes must be Python ints
