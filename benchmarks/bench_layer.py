@@ -294,6 +294,9 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
 
     E, K, H, I, T = SHAPES[shape_name]
     group = dist.group.WORLD
+    t_case = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     x, idx, tw, w1, w2, grad_y = make_case_tensors(E, K, H, I, T, world, rank, routing, args.seed, device, args.zipf)
     stats = routing_stats(idx, E, world, device)
     log(rank, f"  rows routed {stats['rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
@@ -419,6 +422,11 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
             )
         )
         log(rank, "  " + fmt_row(rows[-1]))
+    peak_gb = allreduce_max(torch.cuda.max_memory_allocated(device) / 1e9, device) if device.type == "cuda" else None
+    wall_s = allreduce_max(time.perf_counter() - t_case, device)
+    for r in rows:
+        r.update(peak_mem_gb=peak_gb, case_wall_s=wall_s)
+    log(rank, f"  case wall {wall_s:.1f} s, peak memory {fmt(peak_gb, '.1f')} GB (max over ranks)")
     del x, idx, tw, w1, w2, grad_y, x_leaf, tw_leaf, wq, leaves
     buf.destroy()
     clear_weight_cache()
