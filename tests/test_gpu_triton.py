@@ -58,7 +58,7 @@ def test_triton_matches_dense(rank_pools, world, recipe, routing):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_triton_zero_tokens_shared_clamp(rank_pools, world):
-    cfg = dict(TRITON_BASE, recipe="fp8", num_shared_experts=1, activation_clamp=2.0)
+    cfg = dict(TRITON_BASE, recipe="fp8", num_shared_experts=1, activation_clamp=6.0)
     tokens = [17] if world == 1 else ([0, 290, 0, 33] * 2)[:world]
     rank_pools(world, "nccl").run(triton_against_dense, cfg, tokens, seed=41)
 
