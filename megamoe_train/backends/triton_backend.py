@@ -213,19 +213,22 @@ def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWe
     h = torch.empty(pool_rows, 2 * I, dtype=cfg.dtype, device=dev)
     act = torch.empty(pool_rows, I, dtype=act_dtype, device=dev)
     act_scales = torch.empty(pool_rows, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
-    out = torch.empty(pool_rows, H, dtype=cfg.dtype, device=dev)
     if recipe.quantized:
         K_.grouped_gemm(pool_x, weights.w1, plan.block_expert, h, pool_xs, weights.w1_scales, block_m=bm)
     else:
         h = _grouped_mm(pool_x, weights.w1.transpose(1, 2), plan.expert_ends)
     K_.swiglu_forward(h, row_w, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp)
+
+    # 5. L2; its rows go home to [k slot, token] of the combine buffer: pushed from the fp8
+    # GEMM's epilogue, or by a separate pass after torch's bf16 GEMM.
     if recipe.quantized:
-        K_.grouped_gemm(act, weights.w2, plan.block_expert, out, act_scales, weights.w2_scales, block_m=bm)
+        push = (buf, "combine", plan.row_src, plan.row_token, plan.row_slot)
+        K_.grouped_gemm(act, weights.w2, plan.block_expert, None, act_scales, weights.w2_scales, block_m=bm, push=push)
     else:
         out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
+        K_.push_rows(peers, regions["combine"], out, plan.row_src, plan.row_token, plan.row_slot, plan.num_rows)
 
-    # 5. Push rows home; shared experts fill the extra slot; barrier; fixed-order reduction.
-    K_.push_rows(peers, regions["combine"], out, plan.row_src, plan.row_token, plan.row_slot, plan.num_rows)
+    # 6. Shared experts fill the extra slot; barrier; fixed-order reduction.
     shared_pre_act = None
     if shared is not None:
         shared_out, shared_pre_act = shared_forward(x, shared[0], shared[1], cfg.activation_clamp)

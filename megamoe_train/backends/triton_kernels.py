@@ -305,12 +305,16 @@ def _grouped_gemm_kernel(
     N, K,
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     num_m_blocks,
-    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    peer_bases, local_base, region_offset, slot_stride_rows, row_dst, row_token, row_slot,
+    SCALED: tl.constexpr, PUSH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[m, :] = A[m, :] @ B[e]^T for the rows of every BLOCK_M block, e = block_expert[block]
     (-1: idle block). With SCALED, A is e4m3 with one fp32 scale per 1x128 and B e4m3 with one
-    per 128x128 block; each 128-deep partial product is scaled before it is accumulated."""
+    per 128x128 block; each 128-deep partial product is scaled before it is accumulated.
+    With PUSH, row m is not stored in C but pushed straight into [row_slot, row_token] of the
+    [S, T, N] symmetric region on rank row_dst[m] (rows with row_dst < 0 are padding): the
+    combine's NVLink writes overlap the GEMM and the output never makes an HBM round trip."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n_blocks
@@ -338,32 +342,56 @@ def _grouped_gemm_kernel(
             acc = tl.dot(a_tile, b_tile, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c.dtype.element_ty))
+    if PUSH:
+        dst = tl.load(row_dst + offs_m)
+        tok = tl.load(row_token + offs_m).to(tl.int64)
+        slot = tl.load(row_slot + offs_m).to(tl.int64)
+        base = tl.load(peer_bases + tl.maximum(dst, 0))
+        # Element offset of each destination row from this rank's buffer start (same address
+        # space, 256-byte aligned bases), so the store is plain pointer arithmetic.
+        row = (base - local_base + region_offset) // 2 + (slot * slot_stride_rows + tok) * N
+        ptrs = c + row[:, None] + offs_n[None, :]
+        tl.store(ptrs, acc.to(c.dtype.element_ty), mask=(dst >= 0)[:, None])
+    else:
+        tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c.dtype.element_ty))
 
 
 def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m: int = 128,
-                 block_n: int | None = None, num_stages: int | None = None):
+                 block_n: int | None = None, num_stages: int | None = None, push=None):
     """out[rows of block i] = a[rows] @ b[block_expert[i]]^T for every block_m-row block.
 
     a [M, K] (bf16, or e4m3 with a_scales [M, K/128] fp32), b [E, N, K] (bf16, or e4m3 with
     b_scales [E, N/128, K/128] fp32), block_expert int32 [M / block_m] (-1 = skip), out [M, N].
+    push = (buffer, region name, row_dst, row_token, row_slot): push rows into that [S, T, N]
+    symmetric region instead of writing `out` (then out may be None).
     """
     M, K = a.shape
     N = b.shape[1]
+    if push is not None:
+        buf, name, row_dst, row_token, row_slot = push
+        region = buf.layout.regions[name]
+        assert region.dtype == torch.bfloat16 and region.shape[2] == N and region.offset % 2 == 0
+        out = buf.region(name)
+        # c = this rank's buffer start as a bf16 pointer; the kernel adds each row's offset.
+        c_arg = torch.as_strided(out, (1,), (1,), out.storage_offset() - region.offset // 2)
+        push_args = (buf.peer_base_ptrs, c_arg.data_ptr(), region.offset, region.shape[1], row_dst, row_token, row_slot)
+    else:
+        push_args = (a, 0, 0, 0, block_expert, block_expert, block_expert)
+        c_arg = out
     scaled = a_scales is not None
     block_k = 128 if scaled else 64
     block_n = block_n or (128 if scaled else 128)
     assert M % block_m == 0 and N % block_n == 0 and K % block_k == 0, (M, N, K, block_m, block_n, block_k)
-    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(-1) == 1
     num_m_blocks = M // block_m
     grid = (num_m_blocks * (N // block_n),)
     _grouped_gemm_kernel[grid](
-        a, a_scales if scaled else a, b, b_scales if scaled else b, out, block_expert,
+        a, a_scales if scaled else a, b, b_scales if scaled else b, c_arg, block_expert,
         N, K,
         a.stride(0), a_scales.stride(0) if scaled else 0, b.stride(0), b.stride(1),
         b_scales.stride(0) if scaled else 0, b_scales.stride(1) if scaled else 0, out.stride(0),
-        num_m_blocks,
-        SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        num_warps=8, num_stages=num_stages or (4 if scaled else 4),
+        num_m_blocks, *push_args,
+        SCALED=scaled, PUSH=push is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        num_warps=8, num_stages=num_stages or 4,
     )
-    return out
+    return None if push is not None else out
