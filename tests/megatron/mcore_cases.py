@@ -95,11 +95,16 @@ def rel(a, b):
 
 
 # ----------------------------------------------------------------------------------------------
-def equivalence(rank, world, overrides):
-    """Same loss and the same gradient for every parameter (router included), stock vs MegaMoE."""
+def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
+    """Same loss and the same gradient for every parameter (router included), stock vs MegaMoE.
+    bf16: both models in bf16 (Float16Module, fp32 router), compared within `tol`."""
     init(rank, world)
     from megatron_patch import MegaMoEMoELayer
 
+    if bf16:
+        import torch as _t
+
+        overrides = dict(overrides, bf16=True, params_dtype=_t.bfloat16, moe_router_dtype="fp32")
     stock, mega = pair(overrides)
     assert moe_layer_types(stock) == ["MoELayer", "MoELayer"], moe_layer_types(stock)
     assert moe_layer_types(mega) == ["MegaMoEMoELayer", "MegaMoEMoELayer"], moe_layer_types(mega)
@@ -110,6 +115,10 @@ def equivalence(rank, world, overrides):
     out = {}
     for name, m in (("stock", stock), ("mega", mega)):
         m.train()
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            m = Float16Module(m.config, m)
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
         out[name] = (loss.item(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
@@ -117,20 +126,21 @@ def equivalence(rank, world, overrides):
     assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
     errs = {n: rel(g2[n], g1[n]) for n in g1}
     worst = max(errs, key=errs.get)
-    assert abs(l1 - l2) <= 1e-5 * abs(l1), (l1, l2)
-    assert errs[worst] < 1e-5, (worst, errs[worst])
+    assert abs(l1 - l2) <= tol * abs(l1), (l1, l2)
+    assert errs[worst] < tol, (worst, errs[worst])
     router = [n for n in g1 if n.endswith("router.weight")]
     assert router and all(g1[n].abs().max() > 0 for n in router)
     mega_layers = [m for m in mega.modules() if isinstance(m, MegaMoEMoELayer)]
     return {"loss": (l1, l2), "worst": (worst, errs[worst]), "n_grads": len(g1), "stats": [m.expert_recv_stats.tolist() for m in mega_layers]}
 
 
-def expert_load(rank, world):
-    """get_expert_load == tokens per local expert counted from the router's routing_map."""
+def expert_load(rank, world, overrides=None):
+    """get_expert_load == tokens per local expert counted from the router's routing_map
+    (with activation recompute: counted once, not again in the recompute pass)."""
     init(rank, world)
     from megatron_patch import get_expert_load
 
-    _, mega = pair({})
+    _, mega = pair(overrides or {})
     routing = []
     hooks = [r.register_forward_hook(lambda mod, i, o: routing.append(o[1].detach().clone())) for r in (l.mlp.router for l in mega.decoder.layers)]
     assert get_expert_load(mega, reset=True).sum() == 0
@@ -141,7 +151,11 @@ def expert_load(rank, world):
         mega(tokens, pos, None, labels=labels).float().mean().backward()
     for h in hooks:
         h.remove()
-    assert len(routing) == 4  # 2 layers x 2 forwards
+    recompute = bool(overrides) and overrides.get("recompute_granularity") is not None
+    assert len(routing) == (8 if recompute else 4)  # 2 layers x 2 forwards (x2: recompute pass)
+    if recompute:  # keep the first-pass routing of each layer (recompute repeats it)
+        layer_of = lambda i: 0 if i in (0, 3) else 1  # fwd L0, fwd L1, recompute L1, recompute L0
+        routing = [rm for i, rm in enumerate(routing) if i % 4 < 2]
     for i, rm in enumerate(routing):
         expected[i % 2] += rm.sum(0).long()
     dist.all_reduce(expected)  # rows each expert receives from all ranks

@@ -17,6 +17,8 @@ EQUIVALENCE_CASES = {
         moe_router_group_topk=1,
         moe_router_topk_scaling_factor=1.5,
     ),
+    "moe-recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "full-recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "sigmoid-clamp": dict(
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
@@ -33,6 +35,13 @@ def test_equivalence_with_stock_moe(mcore_pool, case):
         assert r["n_grads"] > 10
 
 
+def test_equivalence_bf16(mcore_pool):
+    """bf16 model (Float16Module, fp32 router) against stock bf16: same up to bf16 rounding."""
+    res = mcore_pool().run(cases.equivalence, dict(moe_shared_expert_intermediate_size=96), bf16=True, tol=3e-2)
+    for r in res:
+        assert r["n_grads"] > 10
+
+
 def test_checkpoint_roundtrip_both_ways(mcore_pool, tmp_path):
     n = mcore_pool().run(cases.checkpoint_roundtrip, str(tmp_path), dict(moe_shared_expert_intermediate_size=96))
     assert n[0] == n[1] > 10
@@ -43,8 +52,14 @@ def test_expert_bias_updates_match_stock(mcore_pool):
     assert res[0]["bias"] == res[1]["bias"]  # all-reduced counts: same bias on every rank
 
 
-def test_expert_load_matches_routing(mcore_pool):
-    loads = mcore_pool().run(cases.expert_load)
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_expert_load_matches_routing(mcore_pool, recompute):
+    overrides = {
+        None: None,
+        "selective": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }[recompute]
+    loads = mcore_pool().run(cases.expert_load, overrides)
     assert all(sum(map(sum, l)) > 0 for l in loads)
 
 
