@@ -151,11 +151,15 @@ def expert_load(rank, world, overrides=None):
         mega(tokens, pos, None, labels=labels).float().mean().backward()
     for h in hooks:
         h.remove()
-    recompute = bool(overrides) and overrides.get("recompute_granularity") is not None
-    assert len(routing) == (8 if recompute else 4)  # 2 layers x 2 forwards (x2: recompute pass)
-    if recompute:  # keep the first-pass routing of each layer (recompute repeats it)
-        layer_of = lambda i: 0 if i in (0, 3) else 1  # fwd L0, fwd L1, recompute L1, recompute L0
-        routing = [rm for i, rm in enumerate(routing) if i % 4 < 2]
+    recomputed = {  # layers whose router runs again in backward
+        None: [],
+        "selective": [0, 1],
+        "uniform": [0, 1],
+        "block": list(range((overrides or {}).get("recompute_num_layers", 0))),
+    }[(overrides or {}).get("recompute_method") or (overrides or {}).get("recompute_granularity")]
+    per_step = 2 + len(recomputed)
+    assert len(routing) == 2 * per_step, len(routing)
+    routing = [rm for i, rm in enumerate(routing) if i % per_step < 2]  # each step: fwd L0, fwd L1, recompute ...
     for i, rm in enumerate(routing):
         expected[i % 2] += rm.sum(0).long()
     dist.all_reduce(expected)  # rows each expert receives from all ranks

@@ -52,12 +52,14 @@ def test_expert_bias_updates_match_stock(mcore_pool):
     assert res[0]["bias"] == res[1]["bias"]  # all-reduced counts: same bias on every rank
 
 
-@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+@pytest.mark.parametrize("recompute", [None, "selective", "full-uniform", "full-block"])
 def test_expert_load_matches_routing(mcore_pool, recompute):
+    """Counted once per forward, also when activation recompute runs the layer again in backward."""
     overrides = {
         None: None,
         "selective": dict(recompute_granularity="selective", recompute_modules=["moe"]),
-        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
     }[recompute]
     loads = mcore_pool().run(cases.expert_load, overrides)
     assert all(sum(map(sum, l)) > 0 for l in loads)
