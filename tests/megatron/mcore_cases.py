@@ -30,6 +30,9 @@ def init(rank, world):
     _READY = True
 
 
+_CONFIG_KEYS = set()
+
+
 def config(recipe, **overrides):
     from megatron_patch import MegaMoETransformerConfig
 
@@ -55,6 +58,7 @@ def config(recipe, **overrides):
         moe_megamoe_recipe=recipe,
     )
     kw.update(overrides)
+    _CONFIG_KEYS.update(k for k in kw if not k.startswith("moe_megamoe"))
     return MegaMoETransformerConfig(**kw)
 
 
@@ -292,6 +296,21 @@ def spec_paths(rank, world):
             out[f"{recipe}-{freq}"] = t1
     assert out["bf16-1"] == ["MegaMoEMoELayer"] * 2 and out["None-1"] == ["MoELayer"] * 2
     assert out["bf16-[0, 1]"] == ["MegaMoEMoELayer"]
+    # Megatron-LM's plain TransformerConfig (no moe_megamoe_* fields): the uncalled spec means MegaMoE
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plain_kw = {f: getattr(config("bf16"), f) for f in TransformerConfig.__dataclass_fields__ if f in _CONFIG_KEYS}
+    plain = TransformerConfig(**plain_kw)
+    assert not hasattr(plain, "moe_megamoe_recipe")
+    os.environ.pop("MEGAMOE_RECIPE", None)
+    m = GPTModel(plain, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ)
+    assert moe_layer_types(m) == ["MegaMoEMoELayer"] * 2 and plain.moe_megamoe_recipe == "bf16"
+    plain = TransformerConfig(**plain_kw)
+    os.environ["MEGAMOE_RECIPE"] = "none"
+    try:
+        assert moe_layer_types(GPTModel(plain, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ)) == ["MoELayer"] * 2
+    finally:
+        del os.environ["MEGAMOE_RECIPE"]
     # and it still trains one step through the uncalled spec
     cfg = config("bf16")
     m = GPTModel(cfg, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ)
