@@ -317,3 +317,68 @@ def spec_paths(rank, world):
     tokens, pos, labels = batch(rank)
     m(tokens, pos, None, labels=labels).float().mean().backward()
     return out
+
+
+def megakernel_backend(rank, world):
+    """register_megakernel_backend() against a stand-in for upstream Megatron's megakernel
+    factory (megatron-core 0.19.2 has none): "megamoe" builds our backend, whose forward equals the
+    stock MoELayer's (routed + shared experts); other names still reach the original factory."""
+    init(rank, world)
+    import sys
+    import types
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_patch import megakernel
+
+    pkg = "megatron.core.transformer.moe.megakernel"
+
+    class MegakernelBackend(torch.nn.Module):
+        def forward(self, hidden_states, probs, routing_map):
+            raise NotImplementedError
+
+    def build_megakernel_backend(*, config, ep_group, routed_experts, shared_experts, num_local_experts):
+        raise ValueError(f"Unsupported MoE megakernel backend: {config.moe_megakernel_backend!r}")
+
+    fake = {pkg: types.ModuleType(pkg), pkg + ".backend": types.ModuleType(pkg + ".backend"), pkg + ".factory": types.ModuleType(pkg + ".factory")}
+    fake[pkg].__path__ = []
+    fake[pkg + ".backend"].MegakernelBackend = MegakernelBackend
+    fake[pkg + ".factory"].build_megakernel_backend = build_megakernel_backend
+    sys.modules.update(fake)
+    try:
+        assert megakernel.register_megakernel_backend() is True
+        factory = fake[pkg + ".factory"]
+        cfg = config(None, num_layers=1, moe_shared_expert_intermediate_size=96)
+        stock = get_moe_module_spec(use_te=False, num_experts=4)(config=cfg, layer_number=1)
+        stock.set_layer_number(1)
+        cfg.moe_megakernel_backend = "megamoe"
+        be = factory.build_megakernel_backend(
+            config=cfg,
+            ep_group=stock.ep_group,
+            routed_experts=stock.experts,
+            shared_experts=stock.shared_experts,
+            num_local_experts=stock.num_local_experts,
+        )
+        assert isinstance(be, MegakernelBackend) and not list(be.parameters())  # native modules own the weights
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(SEQ, BATCH, 64, generator=g)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_stock, _ = stock(x1)
+        probs, routing_map = stock.route(x2)
+        y_be = be(x2, probs, routing_map)
+        assert rel(y_be.detach(), y_stock.detach()) < 1e-5
+        y_stock.sum().backward()
+        y_be.sum().backward()
+        assert rel(x2.grad, x1.grad) < 1e-5
+        cfg.moe_megakernel_backend = "mok"
+        try:
+            factory.build_megakernel_backend(config=cfg, ep_group=None, routed_experts=None, shared_experts=None, num_local_experts=2)
+        except ValueError as e:
+            assert "'mok'" in str(e)
+        else:
+            raise AssertionError("other backend names must reach the original factory")
+    finally:
+        for name in fake:
+            sys.modules.pop(name, None)
+        megakernel._registered = False
+    return True

@@ -67,3 +67,7 @@ def test_expert_load_matches_routing(mcore_pool, recompute):
 
 def test_spec_called_and_uncalled(mcore_pool):
     mcore_pool().run(cases.spec_paths)
+
+
+def test_megakernel_backend_registration(mcore_pool):
+    assert mcore_pool().run(cases.megakernel_backend) == [True, True]
