@@ -71,3 +71,9 @@ def test_spec_called_and_uncalled(mcore_pool):
 
 def test_megakernel_backend_registration(mcore_pool):
     assert mcore_pool().run(cases.megakernel_backend) == [True, True]
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8_mxfp4"])
+def test_quantized_recipes_close_to_stock(mcore_pool, recipe):
+    res = mcore_pool().run(cases.quantized_recipe, recipe)
+    print(recipe, res)
