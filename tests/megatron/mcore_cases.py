@@ -227,9 +227,11 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
     return len(ref_stock)
 
 
-def expert_bias_training(rank, world, steps=2):
+def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False):
     """Sigmoid router + aux-loss-free expert bias with DDP, finalize_model_grads and the Megatron
-    optimizer: the bias (and the router's token counts) evolve exactly as with stock layers."""
+    optimizer: the bias (and the router's token counts) evolve exactly as with stock layers.
+    Optionally with the distributed optimizer and overlapped grad reduction (DDP's grad hooks must
+    fire through the stacked weights)."""
     init(rank, world)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -247,8 +249,12 @@ def expert_bias_training(rank, world, steps=2):
     results = {}
     for name, m in (("stock", stock), ("mega", mega)):
         cfg = m.config
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False), [ddp])
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer
+        )
+        ddp = DistributedDataParallel(cfg, ddp_cfg, m)
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer)
+        opt = get_megatron_optimizer(opt_cfg, [ddp])
         losses, biases, counts = [], [], []
         for step in range(steps):
             tokens, pos, labels = batch(rank, seed=10 + step)
