@@ -53,7 +53,8 @@ def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: b
     run_rank(rank, world, recipe_dict, run_dir, resume)
 
 
-def _spawn_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
+def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
+    """One spawned rank (started through megamoe_train.train_cli.spawn_entry)."""
     import torch
     import torch.distributed as dist
 
@@ -78,6 +79,7 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
     import torch.multiprocessing as mp
 
     from megamoe_train.launch import free_port
+    from megamoe_train.train_cli import spawn_entry
 
     world = recipe.parallel.world_size
     backend = "nccl" if device == "cuda" else "gloo"
@@ -98,7 +100,7 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
             dist.destroy_process_group()
         return 0
     try:
-        mp.spawn(_spawn_entry, args=(world, free_port(), backend, recipe_dict, run_dir, resume), nprocs=world, join=True)
+        mp.spawn(spawn_entry, args=(world, free_port(), backend, recipe_dict, run_dir, resume), nprocs=world, join=True)
     except mp.ProcessRaisedException as e:
         text = str(e).rstrip()
         print(text, file=sys.stderr)
@@ -112,6 +114,9 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megamoe_train.train_cli import quiet
+
+    quiet()
     args = _parser().parse_args(argv)
     overrides = list(args.overrides)
     if args.steps is not None:

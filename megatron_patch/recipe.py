@@ -299,8 +299,6 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("run.dir", "must not be empty")
     if t.min_lr > t.lr:
         raise RecipeError("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
-    if t.warmup_steps > t.steps:
-        raise RecipeError("train.warmup_steps", f"{t.warmup_steps} exceeds train.steps={t.steps}")
     for dotted, value in (("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)):
         if not 0 <= value < 1:
             raise RecipeError(dotted, f"must be in [0, 1), got {value}")
@@ -408,6 +406,4 @@ def check_environment(recipe: Recipe) -> str:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < p.world_size:
             raise RecipeError("parallel.world_size", f"{p.world_size} ranks need {p.world_size} GPUs (one per rank), this machine has {n}")
-    if recipe.model.dtype == "bf16" and device == "cpu" and recipe.moe.megamoe_recipe in ("fp8", "mxfp8_mxfp4"):
-        pass  # the CPU reference runs every recipe; just slower
     return device
