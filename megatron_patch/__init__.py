@@ -1,0 +1,31 @@
+"""Megatron-core adapter of MegaMoE-Train: switch Megatron's MoE layers to the fused mega_moe path.
+
+    from megatron_patch import MegaMoETransformerConfig, get_megamoe_gpt_decoder_block_spec
+    config = MegaMoETransformerConfig(..., moe_megamoe_recipe="bf16")   # None = stock MoE
+    model = GPTModel(config, get_megamoe_gpt_decoder_block_spec(config), ...)
+
+Megatron-LM: `--spec megatron_patch.spec get_megamoe_gpt_decoder_block_spec`.
+On CPU-only hosts call `megatron_patch.cpu_compat.apply()` first.
+"""
+
+from __future__ import annotations
+
+from . import cpu_compat
+from .config import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, validate_megamoe
+from .megakernel import register_megakernel_backend
+from .moe_layer import MegaMoEMoELayer, get_expert_load, routing_to_topk
+from .spec import get_megamoe_gpt_decoder_block_spec, get_megamoe_gpt_layer_spec
+
+__all__ = [
+    "MegaMoEConfigError",
+    "MegaMoEMoELayer",
+    "MegaMoETransformerConfig",
+    "cpu_compat",
+    "get_expert_load",
+    "get_megamoe_gpt_decoder_block_spec",
+    "get_megamoe_gpt_layer_spec",
+    "max_tokens_per_rank",
+    "register_megakernel_backend",
+    "routing_to_topk",
+    "validate_megamoe",
+]

@@ -1,0 +1,146 @@
+"""MegaMoETransformerConfig: Megatron's TransformerConfig plus the switch for the fused MoE layer.
+
+Switch it on with `moe_megamoe_recipe` ("bf16", "fp8" or "mxfp8_mxfp4"); None keeps Megatron's
+stock MoE layer. `validate_megamoe(config)` rejects every setting mega_moe cannot reproduce
+exactly, naming the setting; it also works on a plain TransformerConfig that has the
+`moe_megamoe_*` attributes set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megamoe_train.backends import BACKENDS as _BACKENDS
+from megamoe_train.precision import RECIPES as _RECIPES
+
+RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "mxfp8_mxfp4"
+
+
+class MegaMoEConfigError(ValueError):
+    """A Megatron setting that the MegaMoE layer does not support."""
+
+
+@dataclass
+class MegaMoETransformerConfig(TransformerConfig):
+    """TransformerConfig with the MegaMoE switch.
+
+    moe_megamoe_recipe: None = Megatron's stock MoE layer; "bf16" / "fp8" / "mxfp8_mxfp4" = every
+      MoE layer runs routed and shared experts through megamoe_train.mega_moe with that recipe.
+    moe_megamoe_backend: mega_moe backend ("auto" picks the fastest available on the device).
+    moe_megamoe_max_tokens_per_rank: most tokens one rank passes to one MoE layer call; sizes the
+      symmetric buffer. None: fixed at the first forward to the largest token count any rank of
+      the expert-parallel group passes (one all-reduce(max) then). In Megatron training every
+      call has seq_length * micro_batch_size / context_parallel_size tokens per rank (divided
+      again by tensor_model_parallel_size under sequence parallelism); see
+      `max_tokens_per_rank(...)`. Set it explicitly if later calls can be larger (evaluation
+      with a bigger micro batch, variable sequence lengths): a larger call raises
+      MegaMoEInputError on every rank.
+    """
+
+    moe_megamoe_recipe: Optional[str] = None
+    moe_megamoe_backend: str = "auto"
+    moe_megamoe_max_tokens_per_rank: Optional[int] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.moe_megamoe_recipe is not None:
+            validate_megamoe(self)
+
+
+def megamoe_enabled(config) -> bool:
+    return getattr(config, "moe_megamoe_recipe", None) is not None
+
+
+def max_tokens_per_rank(
+    seq_length: int,
+    micro_batch_size: int,
+    *,
+    context_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+) -> int:
+    """Tokens one rank passes to an MoE layer per micro batch in Megatron training."""
+    tokens = seq_length * micro_batch_size // max(1, context_parallel_size)
+    if sequence_parallel:
+        tokens //= max(1, tensor_model_parallel_size)
+    return tokens
+
+
+def _get(config, name, default=None):
+    return getattr(config, name, default)
+
+
+def validate_megamoe(config) -> None:
+    """Raise MegaMoEConfigError naming the first setting the MegaMoE layer cannot honour."""
+
+    def bad(setting, why):
+        raise MegaMoEConfigError(f"{setting}: {why} (MegaMoE layer, moe_megamoe_recipe={config.moe_megamoe_recipe!r})")
+
+    recipe = config.moe_megamoe_recipe
+    if recipe not in RECIPES:
+        bad("moe_megamoe_recipe", f"must be one of {RECIPES} or None, got {recipe!r}")
+    backends = ("auto", *sorted(_BACKENDS))
+    if _get(config, "moe_megamoe_backend", "auto") not in backends:
+        bad("moe_megamoe_backend", f"must be one of {backends}, got {config.moe_megamoe_backend!r}")
+    mt = _get(config, "moe_megamoe_max_tokens_per_rank")
+    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt <= 0):
+        bad("moe_megamoe_max_tokens_per_rank", f"must be a positive int or None, got {mt!r}")
+    E = config.num_moe_experts
+    if not E:
+        bad("num_moe_experts", "must be set: MegaMoE replaces MoE layers")
+    ep = config.expert_model_parallel_size or 1
+    if E % ep:
+        bad("num_moe_experts", f"{E} is not divisible by expert_model_parallel_size={ep}")
+    if (config.expert_tensor_parallel_size or 1) > 1:
+        bad("expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split")
+    if (config.tensor_model_parallel_size or 1) > 1:
+        bad("tensor_model_parallel_size", f"must be 1 for MoE layers, got {config.tensor_model_parallel_size}")
+    if config.sequence_parallel:
+        bad("sequence_parallel", "not supported (needs tensor_model_parallel_size > 1, which is not supported)")
+    # token dropping / capacity
+    if config.moe_expert_capacity_factor is not None:
+        bad("moe_expert_capacity_factor", "token dropping is not supported; leave it None")
+    if config.moe_pad_expert_input_to_capacity:
+        bad("moe_pad_expert_input_to_capacity", "not supported")
+    if _get(config, "moe_token_dropping"):
+        bad("moe_token_dropping", "not supported")
+    if config.moe_router_padding_for_quantization:
+        bad("moe_router_padding_for_quantization", "not supported: MegaMoE pads expert blocks itself")
+    # expert MLP math must be SwiGLU without biases
+    if not config.gated_linear_unit:
+        bad("gated_linear_unit", "must be True (experts are SwiGLU)")
+    if config.activation_func is not F.silu:
+        name = getattr(config.activation_func, "__name__", repr(config.activation_func))
+        bad("activation_func", f"must be torch.nn.functional.silu (SwiGLU), got {name}")
+    if config.glu_linear_offset:
+        bad("glu_linear_offset", f"must be 0, got {config.glu_linear_offset}")
+    if config.add_bias_linear:
+        bad("add_bias_linear", "expert / shared-expert biases are not supported; set add_bias_linear=False (--disable-bias-linear)")
+    if config.moe_apply_probs_on_input:
+        bad("moe_apply_probs_on_input", "not supported: MegaMoE applies the router weight after SwiGLU")
+    if config.moe_latent_size:
+        bad("moe_latent_size", "latent MoE projections are not supported")
+    if _get(config, "moe_mlp_glu_interleave_size"):
+        bad("moe_mlp_glu_interleave_size", "not supported: fc1 must be [gate; up]")
+    if _get(config, "moe_single_grouped_weight"):
+        bad("moe_single_grouped_weight", "not supported: per-expert weights are expected")
+    # shared experts
+    if config.moe_shared_expert_intermediate_size is not None:
+        if config.moe_shared_expert_gate:
+            bad("moe_shared_expert_gate", "shared-expert gate is not supported")
+        if config.moe_shared_expert_overlap:
+            bad("moe_shared_expert_overlap", "not needed and not supported: shared experts are fused into the MegaMoE call")
+        if _get(config, "use_grouped_gemm_for_shared_expert"):
+            bad("use_grouped_gemm_for_shared_expert", "not supported")
+    # execution features that drive MoELayer through paths MegaMoE does not implement
+    for name in ("overlap_moe_expert_parallel_comm", "overlap_dispatch_backward_with_experts_wgrad", "moe_paged_stash"):
+        if _get(config, name):
+            bad(name, "not supported")
+    if _get(config, "transformer_impl") == "inference_optimized":
+        bad("transformer_impl", "'inference_optimized' is not supported")
+    if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
+        bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")

@@ -1,0 +1,126 @@
+"""Layer specs that put MegaMoEMoELayer where Megatron's GPT specs put MoELayer.
+
+From Python:
+    spec = get_megamoe_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config, spec, vocab_size=..., max_sequence_length=...)
+Every MoE layer becomes a MegaMoEMoELayer when config.moe_megamoe_recipe is set; otherwise the
+result is exactly Megatron's get_gpt_decoder_block_spec(...).
+
+From Megatron-LM (`pretrain_gpt.py`, gpt_builders.py): `--spec megatron_patch.spec
+get_megamoe_gpt_decoder_block_spec`. Megatron-LM imports that object and passes it to GPTModel
+*without calling it*, so `get_megamoe_gpt_decoder_block_spec` is also a ModuleSpec (of a
+transformer layer that picks its own spec from the config it is built with: dense or MoE per
+moe_layer_freq, TE or local per config.transformer_impl, MoELayer swapped for MegaMoEMoELayer
+when moe_megamoe_recipe is set). Config: Megatron-LM builds a plain TransformerConfig, so the
+`moe_megamoe_*` values must reach it (the YAML key `moe_megamoe_recipe`, or set the attributes
+on the config); the layer reads them with getattr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
+
+from megatron.core.utils import get_pg_rank
+
+from .config import megamoe_enabled, validate_megamoe
+from .moe_layer import MegaMoEMoELayer
+
+__all__ = ["get_megamoe_gpt_decoder_block_spec", "get_megamoe_gpt_layer_spec", "swap_moe_layers"]
+
+
+def _swap_mlp(mlp: Any) -> Any:
+    """partial(MoELayer, ...) / ModuleSpec(MoELayer) -> the same with MegaMoEMoELayer."""
+    if isinstance(mlp, functools.partial) and mlp.func is MoELayer:
+        return functools.partial(MegaMoEMoELayer, *mlp.args, **mlp.keywords)
+    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+        return dataclasses.replace(mlp, module=MegaMoEMoELayer)
+    return mlp
+
+
+def _swap_layer_spec(layer_spec: Any) -> Any:
+    submodules = getattr(layer_spec, "submodules", None)
+    mlp = getattr(submodules, "mlp", None)
+    swapped = _swap_mlp(mlp)
+    if swapped is mlp:
+        return layer_spec
+    # copies: Megatron's spec helpers may return shared objects
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(submodules, mlp=swapped))
+
+
+def swap_moe_layers(spec):
+    """A copy of a GPT block spec (TransformerBlockSubmodules) or layer spec (ModuleSpec) with
+    every MoELayer replaced by MegaMoEMoELayer."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[_swap_layer_spec(s) for s in spec.layer_specs])
+    return _swap_layer_spec(spec)
+
+
+def _build_block_spec(config, use_transformer_engine: bool = False, **kwargs) -> TransformerBlockSubmodules:
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine, **kwargs)
+    if not megamoe_enabled(config):
+        return spec
+    validate_megamoe(config)
+    return swap_moe_layers(spec)
+
+
+def get_megamoe_gpt_layer_spec(config, layer_number: int, use_transformer_engine: bool = False, **kwargs):
+    """Spec of global layer `layer_number` (1-based) of Megatron's GPT decoder, MegaMoE-swapped
+    when config.moe_megamoe_recipe is set."""
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, **kwargs)
+    spec = specs[layer_number - 1]
+    return swap_moe_layers(spec) if megamoe_enabled(config) else spec
+
+
+def _use_te(config) -> bool:
+    if getattr(config, "transformer_impl", "local") != "transformer_engine":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MegaMoEGPTLayer(BaseTransformerLayer):
+    """Placeholder layer class for the non-called `--spec` path: building it builds (and returns)
+    the GPT decoder layer Megatron would build at this position, MegaMoE-swapped."""
+
+    def __new__(cls, config, submodules=None, layer_number: int = 1, vp_stage=None, pg_collection=None, **kwargs):
+        pp_rank = None
+        if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+            pp_rank = get_pg_rank(pg_collection.pp)
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        spec = get_megamoe_gpt_layer_spec(
+            config,
+            layer_number + offset,
+            use_transformer_engine=_use_te(config),
+            normalization=getattr(config, "normalization", None),
+            qk_l2_norm=getattr(config, "qk_l2_norm", False),
+        )
+        return build_module(spec, config=config, layer_number=layer_number, vp_stage=vp_stage, pg_collection=pg_collection, **kwargs)
+
+
+@dataclasses.dataclass
+class _BlockSpecFunction(ModuleSpec):
+    """`get_megamoe_gpt_decoder_block_spec`: a function for Python callers, and a ModuleSpec of
+    MegaMoEGPTLayer for Megatron-LM's `--spec`, which uses the imported object as is."""
+
+    def __call__(self, config, use_transformer_engine: bool = False, **kwargs) -> TransformerBlockSubmodules:
+        return _build_block_spec(config, use_transformer_engine=use_transformer_engine, **kwargs)
+
+
+get_megamoe_gpt_decoder_block_spec = _BlockSpecFunction(module=MegaMoEGPTLayer)
+get_megamoe_gpt_decoder_block_spec.__doc__ = """get_megamoe_gpt_decoder_block_spec(config, use_transformer_engine=False,
+    normalization=None, qk_l2_norm=False, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules
+
+Megatron's get_gpt_decoder_block_spec(...) with every MoELayer replaced by MegaMoEMoELayer when
+config.moe_megamoe_recipe is set (stock spec otherwise). Also usable uncalled, as Megatron-LM's
+`--spec megatron_patch.spec get_megamoe_gpt_decoder_block_spec` (see the module docstring)."""
