@@ -20,7 +20,7 @@ _QUIET = (
     "full scope is deprecated",
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     # torch.distributed.checkpoint, as megatron-core's dist_checkpointing drives it
-    "torch.distributed is disabled, unavailable or uninitialized",
+    "torch.distributed is disabled",
     "The argument order of load has been changed",
     "Please use DTensor instead",
 )

@@ -188,15 +188,19 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     model, optimizer, cfg = build_model(recipe, device)
     corpus = build_corpus(recipe, run_dir)
     total, expert = _count_params(model)
-    totals = torch.tensor([total - expert, expert], dtype=torch.int64)
-    dist.all_reduce(totals)  # expert params summed over ranks (dense ones counted world times: fix below)
-    dense_params = (total - expert)
-    expert_params = int(totals[1]) // max(1, parallel_state.get_expert_data_parallel_world_size())
+    expert_total = torch.tensor([expert], dtype=torch.int64)
+    dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
+    dense_params = total - expert  # replicated on every rank (TP 1)
+    expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
     m, moe = recipe.model, recipe.moe
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
     say(f"[megamoe-train] {world} ranks on {device} | EP {recipe.parallel.expert_parallel}, TP {recipe.parallel.tensor_parallel}, "
         f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
         f"top-{moe.topk} (I={moe.ffn_hidden_size}{', shared ' + str(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else ''}) | "
-        f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} | "
+        f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
+        f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}) | "
         f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
         f"data: {recipe.data.path or 'synthetic'} | built in {time.perf_counter() - t0:.1f} s")
 
