@@ -96,6 +96,8 @@ class _Tokenizer:
         self.vocab_size = vocab_size
         self.eod = eod
         self.pad = -1  # no pad token: every label counts
+        # GPTDataset hashes this into its index cache names
+        self.unique_identifiers = {"class": "megamoe_train.token_ids", "vocab_size": vocab_size, "eod": eod}
 
 
 class IndexedCorpus:
@@ -151,6 +153,6 @@ def write_synthetic_indexed(prefix: str, num_documents: int = 20000, vocab_size:
     dtype = np.uint16 if vocab_size <= 65536 else np.int32
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
     for doc in corpus.documents(num_documents):
-        builder.add_document(torch.from_numpy(doc), [len(doc)])
+        builder.add_document(doc, [len(doc)])
     builder.finalize(prefix + ".idx")
     return prefix

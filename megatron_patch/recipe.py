@@ -244,8 +244,11 @@ def apply_overrides(data: dict, overrides: list[tuple[str, Any]]) -> dict:
     return data
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None, data: dict | None = None) -> Recipe:
-    """Read a recipe file (or a dict), apply `section.key=value` overrides, validate it."""
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None, data: dict | None = None,
+                deep: bool = True) -> Recipe:
+    """Read a recipe file (or a dict), apply `section.key=value` overrides, validate it
+    (deep: also build the Megatron TransformerConfig, which runs Megatron's and the MegaMoE
+    adapter's own checks)."""
     if data is None:
         if path is None:
             raise RecipeError("recipe", "no recipe file given")
@@ -262,6 +265,8 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | No
     data = apply_overrides(data, [parse_override(o) for o in overrides or []])
     recipe = _build(Recipe, data, "")
     validate(recipe)
+    if deep:
+        validate_with_megatron(recipe)
     return recipe
 
 
@@ -392,6 +397,39 @@ def _check_megamoe_shapes(recipe: Recipe):
                "topk": "moe.topk", "recipe": "moe.megamoe_recipe", "shared_intermediate": "moe.shared_expert_ffn_hidden_size",
                "num_max_tokens_per_rank": "moe.max_tokens_per_rank"}.get(name, "moe.megamoe_recipe")
         raise RecipeError(key, f"MegaMoE recipe {moe.megamoe_recipe!r}: {text}") from None
+
+
+# TransformerConfig field -> recipe key (for naming the key in Megatron's own error messages)
+_MEGATRON_KEYS = {
+    "num_layers": "model.num_layers", "hidden_size": "model.hidden_size", "num_attention_heads": "model.num_attention_heads",
+    "num_query_groups": "model.num_query_groups", "kv_channels": "model.kv_channels", "qk_layernorm": "model.qk_layernorm",
+    "ffn_hidden_size": "model.ffn_hidden_size", "moe_layer_freq": "model.moe_layer_freq", "normalization": "model.normalization",
+    "tensor_model_parallel_size": "parallel.tensor_parallel", "expert_model_parallel_size": "parallel.expert_parallel",
+    "num_moe_experts": "moe.num_experts", "moe_router_topk": "moe.topk", "moe_ffn_hidden_size": "moe.ffn_hidden_size",
+    "moe_shared_expert_intermediate_size": "moe.shared_expert_ffn_hidden_size",
+    "moe_router_score_function": "moe.router_score_function", "moe_router_pre_softmax": "moe.router_pre_softmax",
+    "moe_router_topk_scaling_factor": "moe.router_topk_scaling_factor", "moe_router_num_groups": "moe.router_num_groups",
+    "moe_router_group_topk": "moe.router_group_topk", "moe_router_enable_expert_bias": "moe.router_expert_bias",
+    "moe_router_bias_update_rate": "moe.router_bias_update_rate", "moe_router_load_balancing_type": "moe.load_balancing",
+    "moe_aux_loss_coeff": "moe.aux_loss_coeff", "moe_z_loss_coeff": "moe.z_loss_coeff", "moe_megamoe_recipe": "moe.megamoe_recipe",
+    "moe_megamoe_backend": "moe.megamoe_backend", "moe_megamoe_max_tokens_per_rank": "moe.max_tokens_per_rank",
+}
+
+
+def validate_with_megatron(recipe: Recipe):
+    """Builds the run's MegaMoETransformerConfig (no process group needed), so Megatron's and the
+    adapter's checks run before any rank starts; their errors are reported under the recipe key."""
+    import re
+
+    from .train import transformer_config
+
+    try:
+        transformer_config(recipe, "cpu")
+    except (ValueError, AssertionError, TypeError) as e:
+        text = str(e) or type(e).__name__
+        names = sorted(_MEGATRON_KEYS, key=len, reverse=True)
+        found = next((n for n in names if re.search(rf"\b{n}\b", text)), None)
+        raise RecipeError(_MEGATRON_KEYS.get(found, "model"), f"rejected by Megatron: {text}") from None
 
 
 def check_environment(recipe: Recipe) -> str:
