@@ -35,6 +35,7 @@ class RunSection:
     log_every: int = 1  # print a progress line every N steps (rank 0)
     plot_every: int = 50  # redraw progress.png every N steps (and at the end); 0 = only at the end
     save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
+    checkpoint: bool = True  # false: never write checkpoints (benchmarks, smoke runs)
     resume: Union[bool, Literal["auto"]] = "auto"  # auto: continue if the run dir has a checkpoint
 
 

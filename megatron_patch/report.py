@@ -33,11 +33,20 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+_WARNED = False
+
+
 def plot_progress(records: list[dict], path: str, title: str = ""):
     """progress.png: loss curve (+ lr), imbalance, and a heatmap of every expert's share of the
     routed rows per step (summed over MoE layers; 1.0 = perfectly balanced)."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # plotting is optional: metrics.jsonl has everything
+        global _WARNED
+        if not _WARNED:
+            print("[megamoe-train] matplotlib is not installed: no progress.png", flush=True)
+            _WARNED = True
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -48,7 +57,13 @@ def plot_progress(records: list[dict], path: str, title: str = ""):
     steps = np.array([r["step"] for r in recs])
     fig, axes = plt.subplots(3, 1, figsize=(9, 10), height_ratios=[2, 1, 2], constrained_layout=True)
     ax = axes[0]
-    ax.plot(steps, [r["loss"] for r in recs], color="tab:blue", lw=1.2, label="loss")
+    loss = np.array([r["loss"] for r in recs])
+    ax.plot(steps, loss, color="tab:blue", lw=0.6, alpha=0.45, label="loss")
+    if len(loss) >= 10:  # trailing mean over ~5% of the run
+        w = max(5, len(loss) // 20)
+        smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
+        ax.plot(steps[w - 1:], smooth, color="tab:blue", lw=1.6, label=f"mean of {w}")
+    ax.legend(loc="upper right")
     ax.set_ylabel("loss (nats/token)")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

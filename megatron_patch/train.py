@@ -226,6 +226,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     run_start = time.perf_counter()
     tokens_done = 0
     last_ckpt_step = start_step
+    window: list[float] = []  # losses since the last progress line
     model.train()
     for step in range(start_step + 1, steps + 1):
         step_start = time.perf_counter()
@@ -270,11 +271,14 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                 record["load_imbalance_worst_layer"] = layer_imb.max().item()
                 record["expert_load"] = load.tolist()
             metrics.append(record)
+            window.append(record["loss"])
             if step % recipe.run.log_every == 0 or step == start_step + 1 or step == steps:
                 imb = record.get("load_imbalance")
                 gn = record["grad_norm"]
+                avg = f" (mean of {len(window)}: {sum(window) / len(window):.4f})" if len(window) > 1 else ""
+                window.clear()
                 print(
-                    f"step {step:5d}/{steps} | loss {record['loss']:.4f} | {record['tokens_per_s']:9.0f} tok/s | "
+                    f"step {step:5d}/{steps} | loss {record['loss']:.4f}{avg} | {record['tokens_per_s']:7.0f} tok/s | "
                     f"load max/mean {imb if imb is None else format(imb, '.2f')}"
                     f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'} | "
                     f"lr {lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
@@ -282,12 +286,12 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                 )
             if recipe.run.plot_every and step % recipe.run.plot_every == 0:
                 plot_progress(metrics.records, plot_path, title)
-        if recipe.run.save_every and step % recipe.run.save_every == 0 and step != steps:
+        if recipe.run.checkpoint and recipe.run.save_every and step % recipe.run.save_every == 0 and step != steps:
             ckpt.save_checkpoint(run_dir, step, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
             last_ckpt_step = step
             say(f"[megamoe-train] checkpoint step {step} saved")
 
-    if steps > last_ckpt_step:
+    if recipe.run.checkpoint and steps > last_ckpt_step:
         path = ckpt.save_checkpoint(run_dir, steps, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
         say(f"[megamoe-train] checkpoint saved: {path}")
     if is_main and metrics.records:
