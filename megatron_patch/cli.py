@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe key, value read as YAML (repeatable), e.g. --set train.lr=3e-4")
     p.add_argument("--steps", type=int, help="same as --set train.steps=N")
+    p.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="same as --set train.stop_at=STEP: end this invocation after STEP (checkpointed); the LR schedule still runs to train.steps")
     p.add_argument("--run-dir", help="same as --set run.dir=DIR")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", dest="resume", action="store_const", const=True,
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.stop_at is not None:
+        overrides.append(f"train.stop_at={args.stop_at}")
     if args.run_dir is not None:
         overrides.append(f"run.dir={args.run_dir}")
     try:

@@ -89,7 +89,8 @@ class MoESection:
 
 @dataclass
 class TrainSection:
-    steps: int = 100
+    steps: int = 100  # length of the run (the LR schedule ends here)
+    stop_at: Optional[int] = None  # end this invocation after this step (checkpointed); resume continues
     micro_batch_size: int = 8  # sequences per rank per step; global batch = micro_batch * DP size
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -293,7 +294,7 @@ def validate(recipe: Recipe) -> Recipe:
         "model.rotary_base", "model.init_std",
         "moe.num_experts", "moe.topk", "moe.ffn_hidden_size", "moe.shared_expert_ffn_hidden_size",
         "moe.max_tokens_per_rank", "moe.router_num_groups", "moe.router_group_topk",
-        "train.steps", "train.micro_batch_size", "train.lr", "run.log_every",
+        "train.steps", "train.stop_at", "train.micro_batch_size", "train.lr", "run.log_every",
     )
     for dotted, value in (("run.plot_every", r.plot_every), ("run.save_every", r.save_every),
                           ("train.warmup_steps", t.warmup_steps), ("train.min_lr", t.min_lr),

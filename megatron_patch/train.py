@@ -221,14 +221,15 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     mbs, gbs = recipe.train.micro_batch_size, recipe.global_batch_size
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     steps = recipe.train.steps
-    if start_step >= steps:
-        say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} >= train.steps={steps}")
+    last = min(steps, recipe.train.stop_at or steps)  # this invocation's final step
+    if start_step >= last:
+        say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} (train.steps={steps}, train.stop_at={recipe.train.stop_at})")
     run_start = time.perf_counter()
     tokens_done = 0
     last_ckpt_step = start_step
     window: list[float] = []  # losses since the last progress line
     model.train()
-    for step in range(start_step + 1, steps + 1):
+    for step in range(start_step + 1, last + 1):
         step_start = time.perf_counter()
         first = consumed + dp_rank * mbs
         batch = {k: v.to(dev, non_blocking=True) for k, v in corpus.batch(range(first, first + mbs)).items()}
@@ -272,7 +273,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                 record["expert_load"] = load.tolist()
             metrics.append(record)
             window.append(record["loss"])
-            if step % recipe.run.log_every == 0 or step == start_step + 1 or step == steps:
+            if step % recipe.run.log_every == 0 or step == start_step + 1 or step == last:
                 imb = record.get("load_imbalance")
                 gn = record["grad_norm"]
                 avg = f" (mean of {len(window)}: {sum(window) / len(window):.4f})" if len(window) > 1 else ""
@@ -286,19 +287,19 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                 )
             if recipe.run.plot_every and step % recipe.run.plot_every == 0:
                 plot_progress(metrics.records, plot_path, title)
-        if recipe.run.checkpoint and recipe.run.save_every and step % recipe.run.save_every == 0 and step != steps:
+        if recipe.run.checkpoint and recipe.run.save_every and step % recipe.run.save_every == 0 and step != last:
             ckpt.save_checkpoint(run_dir, step, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
             last_ckpt_step = step
             say(f"[megamoe-train] checkpoint step {step} saved")
 
-    if recipe.run.checkpoint and steps > last_ckpt_step:
-        path = ckpt.save_checkpoint(run_dir, steps, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
+    if recipe.run.checkpoint and last > last_ckpt_step:
+        path = ckpt.save_checkpoint(run_dir, last, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
         say(f"[megamoe-train] checkpoint saved: {path}")
     if is_main and metrics.records:
         plot_progress(metrics.records, plot_path, title)
         first_loss, last_loss = metrics.records[0]["loss"], metrics.records[-1]["loss"]
         wall = time.perf_counter() - run_start
-        print(f"[megamoe-train] done: steps {start_step + 1}..{steps} in {wall:.1f} s "
+        print(f"[megamoe-train] {'done' if last == steps else 'stopped (train.stop_at)'}: steps {start_step + 1}..{last} in {wall:.1f} s "
               f"({tokens_done / max(wall, 1e-9):.0f} tok/s) | loss {first_loss:.4f} (step {metrics.records[0]['step']}) -> "
               f"{last_loss:.4f} (step {metrics.records[-1]['step']}) | metrics {metrics.path} | plot {plot_path}", flush=True)
     dist.barrier()

@@ -125,13 +125,12 @@ def _metrics(run_dir):
 
 
 def test_train_checkpoint_resume(tmp_path):
-    """4 steps, then resume to 6: steps continue, metrics are appended, and the resumed run
-    reproduces an uninterrupted 6-step run (model, optimizer, data position and RNG restored)."""
+    """A 6-step run stopped after step 4, then resumed: steps continue, metrics are appended, and
+    the result equals an uninterrupted 6-step run (model, optimizer, data position, RNG restored)."""
     run = str(tmp_path / "run")
-    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "4", "--set", "train.warmup_steps=2",
-                               "--set", "run.save_every=2"])
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "6", "--stop-at", "4", "--set", "run.save_every=2"])
     assert code == 0, out + err
-    assert "step     4/4" in out and "checkpoint saved" in out, out
+    assert "step     4/6" in out and "checkpoint saved" in out and "stopped (train.stop_at)" in out, out
     assert "Traceback" not in err, err
     first = _metrics(run)
     assert [r["step"] for r in first] == [1, 2, 3, 4]
@@ -140,7 +139,7 @@ def test_train_checkpoint_resume(tmp_path):
     assert os.path.isfile(os.path.join(run, "progress.png"))
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_0000002", "step_0000004"]
 
-    # resume (auto: the run dir has a checkpoint) with a larger step budget
+    # resume (auto: the run dir has a checkpoint)
     code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "6"])
     assert code == 0, out + err
     assert "resumed from" in out and "at step 4" in out, out
@@ -158,6 +157,13 @@ def test_train_checkpoint_resume(tmp_path):
         assert a["step"] == b["step"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
         assert a["expert_load"] == b["expert_load"]
+        assert a["lr"] == b["lr"]
+
+    # a finished run given more steps continues from its last checkpoint
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "7"])
+    assert code == 0, out + err
+    assert "at step 6" in out and "step     7/7" in out, out
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 8))
 
 
 def test_synthetic_corpus_is_deterministic():
