@@ -139,7 +139,37 @@ def _count_params(model) -> tuple[int, int]:
     return total, expert
 
 
-def _gather_expert_load(model, device: str) -> torch.Tensor | None:
+class StockRouterLoad:
+    """Per-expert routed rows of Megatron's stock MoE layers (recipes with moe.megamoe_recipe: null),
+    counted from each router's routing map; MegaMoE layers count their own (get_expert_load)."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.counts = [None] * len(self.routers)
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(module, inputs, output):
+            if module.training:
+                rows = output[1].sum(0).to(torch.int64)  # routing_map [T, E] -> rows per global expert
+                self.counts[i] = rows if self.counts[i] is None else self.counts[i] + rows
+
+        return hook
+
+    def gather(self) -> torch.Tensor | None:
+        """[layers, E] over the whole job (every rank's tokens), and reset."""
+        if not self.routers or any(c is None for c in self.counts):
+            return None
+        load = torch.stack(self.counts)
+        self.counts = [None] * len(self.routers)
+        dist.all_reduce(load)
+        return load.cpu()
+
+
+def _gather_expert_load(model, device: str, stock: StockRouterLoad | None = None) -> torch.Tensor | None:
     """[num_moe_layers, E] rows each expert received this step, over the whole job."""
     from megatron.core import parallel_state
 
@@ -147,7 +177,7 @@ def _gather_expert_load(model, device: str) -> torch.Tensor | None:
 
     local = get_expert_load(model, reset=True)
     if local is None or local.numel() == 0:
-        return None
+        return stock.gather() if stock is not None else None
     local = local.to(device="cuda" if device == "cuda" else "cpu", dtype=torch.int64)
     # replicas of the same experts (expert data parallel) saw different tokens: sum them
     if parallel_state.get_expert_data_parallel_world_size() > 1:
@@ -187,6 +217,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     t0 = time.perf_counter()
     model, optimizer, cfg = build_model(recipe, device)
     corpus = build_corpus(recipe, run_dir)
+    stock_load = StockRouterLoad(model) if recipe.moe.megamoe_recipe is None else None
     total, expert = _count_params(model)
     expert_total = torch.tensor([expert], dtype=torch.int64)
     dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
@@ -225,7 +256,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     if start_step >= last:
         say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} (train.steps={steps}, train.stop_at={recipe.train.stop_at})")
     run_start = time.perf_counter()
-    tokens_done = 0
+    tokens_done, step_seconds = 0, 0.0
     last_ckpt_step = start_step
     window: list[float] = []  # losses since the last progress line
     model.train()
@@ -247,11 +278,12 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
 
         stats = torch.stack([loss.detach().float(), torch.tensor(float(ok), device=loss.device)])
         dist.all_reduce(stats, group=dp_group)
-        load = _gather_expert_load(model.module if hasattr(model, "module") else model, device)
+        load = _gather_expert_load(model, device, stock_load)
         if device == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - step_start
         tokens_done += recipe.tokens_per_step
+        step_seconds += step_time
         if is_main:
             dp = recipe.data_parallel_size
             record = {
@@ -300,7 +332,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         first_loss, last_loss = metrics.records[0]["loss"], metrics.records[-1]["loss"]
         wall = time.perf_counter() - run_start
         print(f"[megamoe-train] {'done' if last == steps else 'stopped (train.stop_at)'}: steps {start_step + 1}..{last} in {wall:.1f} s "
-              f"({tokens_done / max(wall, 1e-9):.0f} tok/s) | loss {first_loss:.4f} (step {metrics.records[0]['step']}) -> "
+              f"({tokens_done / max(step_seconds, 1e-9):.0f} tok/s over the steps) | loss {first_loss:.4f} (step {metrics.records[0]['step']}) -> "
               f"{last_loss:.4f} (step {metrics.records[-1]['step']}) | metrics {metrics.path} | plot {plot_path}", flush=True)
     dist.barrier()
 
