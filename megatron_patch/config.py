@@ -95,10 +95,10 @@ def validate_megamoe(config) -> None:
     ep = config.expert_model_parallel_size or 1
     if E % ep:
         bad("num_moe_experts", f"{E} is not divisible by expert_model_parallel_size={ep}")
-    if (config.expert_tensor_parallel_size or 1) > 1:
-        bad("expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split")
     if (config.tensor_model_parallel_size or 1) > 1:
         bad("tensor_model_parallel_size", f"must be 1 for MoE layers, got {config.tensor_model_parallel_size}")
+    if (config.expert_tensor_parallel_size or 1) > 1:
+        bad("expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split")
     if config.sequence_parallel:
         bad("sequence_parallel", "not supported (needs tensor_model_parallel_size > 1, which is not supported)")
     # token dropping / capacity
@@ -142,5 +142,40 @@ def validate_megamoe(config) -> None:
             bad(name, "not supported")
     if _get(config, "transformer_impl") == "inference_optimized":
         bad("transformer_impl", "'inference_optimized' is not supported")
+    _check_shapes(config, bad)
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
         bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
+
+
+# MegaMoEConfig field -> the Megatron setting it comes from
+_SHAPE_SETTINGS = {
+    "hidden": "hidden_size",
+    "intermediate": "moe_ffn_hidden_size",
+    "topk": "moe_router_topk",
+    "num_experts": "num_moe_experts",
+    "shared_intermediate": "moe_shared_expert_intermediate_size",
+    "activation_clamp": "activation_func_clamp_value",
+    "num_max_tokens_per_rank": "moe_megamoe_max_tokens_per_rank",
+}
+
+
+def _check_shapes(config, bad):
+    """The shape rules of the recipe (e.g. fp8 needs hidden_size % 128 == 0), under Megatron's names."""
+    from megamoe_train import MegaMoEConfig
+
+    shared = config.moe_shared_expert_intermediate_size
+    try:
+        MegaMoEConfig(
+            num_experts=config.num_moe_experts,
+            hidden=config.hidden_size,
+            intermediate=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+            topk=config.moe_router_topk,
+            num_max_tokens_per_rank=_get(config, "moe_megamoe_max_tokens_per_rank") or 1,
+            recipe=config.moe_megamoe_recipe,
+            num_shared_experts=1 if shared else 0,
+            shared_intermediate=shared or None,
+            activation_clamp=config.activation_func_clamp_value,
+        )
+    except ValueError as e:
+        field, _, why = str(e).partition(":")
+        bad(_SHAPE_SETTINGS.get(field.strip(), field.strip()), why.strip())

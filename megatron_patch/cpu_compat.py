@@ -21,6 +21,9 @@ What each shim fixes (megatron-core 0.19.2 paths):
    Tensor.type() reports 'torch.cuda.<X>' for the dtype asserts of the optimizers.
 5. moe_utils.maybe_move_tensor_to_cpu: only converted CUDA tensors to numpy, so gloo's
    all_to_all_single received tensors as split sizes; it now always honours as_numpy.
+6. Shim 4 is inactive inside loss.backward() (a TorchFunctionMode is off while it handles a
+   call), where activation recompute re-runs layers: the causal-mask helper
+   (transformer/utils.py get_default_causal_mask, device="cuda") is replaced directly.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def apply() -> bool:
     _patch_streams_and_device()
     _enter_device_mode()
     _patch_dispatcher_splits()
+    _patch_backward_paths()
     _applied = True
     return True
 
@@ -186,3 +190,18 @@ def _patch_dispatcher_splits():
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# 6. code that runs inside backward ----------------------------------------------------------
+def _patch_backward_paths():
+    # A TorchFunctionMode is switched off while it handles a call, so everything under
+    # loss.backward() (activation recompute re-runs whole layers there) runs without shim 4.
+    # The one hard-coded CUDA device on that path in the GPT model: the default causal mask.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask

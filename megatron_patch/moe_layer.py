@@ -128,6 +128,11 @@ class MegaMoECall:
         )
 
 
+def _inside_backward() -> bool:
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class MegaMoEMoELayer(MoELayer):
     """MoELayer whose dispatch + experts + combine + shared experts are one mega_moe call.
 
@@ -136,8 +141,8 @@ class MegaMoEMoELayer(MoELayer):
     the stages after routing are replaced.
 
     expert_recv_stats: int64 [num_local_experts] buffer (not in checkpoints): rows each of this
-    rank's experts received, accumulated over forwards (a recompute pass is not counted again:
-    with recompute, only the first, no-grad forward counts). Read/reset with get_expert_load().
+    rank's experts received, accumulated over forwards (the recompute pass of activation
+    recompute, which runs inside backward, is not counted again). Read/reset with get_expert_load().
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None, **kwargs):
@@ -188,10 +193,9 @@ class MegaMoEMoELayer(MoELayer):
 
     # -- helpers ---------------------------------------------------------------------------------
     def _counts_this_pass(self) -> bool:
-        """False for the recompute pass of an activation-recomputed forward (counted already)."""
-        if not (self.training and torch.is_grad_enabled()):
-            return True
-        return not (self.moe_layer_recompute or self.config.recompute_granularity == "full")
+        """False for the recompute pass of activation recompute (it runs inside backward, and the
+        first forward of the same tokens counted them already)."""
+        return not _inside_backward()
 
     def reset_expert_recv_stats(self) -> torch.Tensor:
         out = self.expert_recv_stats.clone()

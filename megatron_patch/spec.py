@@ -11,15 +11,18 @@ get_megamoe_gpt_decoder_block_spec`. Megatron-LM imports that object and passes 
 *without calling it*, so `get_megamoe_gpt_decoder_block_spec` is also a ModuleSpec (of a
 transformer layer that picks its own spec from the config it is built with: dense or MoE per
 moe_layer_freq, TE or local per config.transformer_impl, MoELayer swapped for MegaMoEMoELayer
-when moe_megamoe_recipe is set). Config: Megatron-LM builds a plain TransformerConfig, so the
-`moe_megamoe_*` values must reach it (the YAML key `moe_megamoe_recipe`, or set the attributes
-on the config); the layer reads them with getattr.
+when moe_megamoe_recipe is set). Config: a MegaMoETransformerConfig decides by its
+`moe_megamoe_recipe`. Megatron-LM's argparse builds a plain TransformerConfig, which has no
+`moe_megamoe_*` fields: choosing this spec then means MegaMoE, with the values taken from the
+environment (MEGAMOE_RECIPE, default "bf16", "none" = stock; MEGAMOE_BACKEND, default "auto";
+MEGAMOE_MAX_TOKENS_PER_RANK, default: fixed at the first forward) and set on that config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
@@ -33,7 +36,7 @@ from megatron.core.utils import get_pg_rank
 from .config import megamoe_enabled, validate_megamoe
 from .moe_layer import MegaMoEMoELayer
 
-__all__ = ["get_megamoe_gpt_decoder_block_spec", "get_megamoe_gpt_layer_spec", "swap_moe_layers"]
+__all__ = ["ensure_megamoe_fields", "get_megamoe_gpt_decoder_block_spec", "get_megamoe_gpt_layer_spec", "swap_moe_layers"]
 
 
 def _swap_mlp(mlp: Any) -> Any:
@@ -89,11 +92,27 @@ def _use_te(config) -> bool:
     return True
 
 
+def ensure_megamoe_fields(config):
+    """Give a plain TransformerConfig (Megatron-LM's argparse) the moe_megamoe_* fields, from the
+    environment: MEGAMOE_RECIPE (default "bf16"; "none" = stock), MEGAMOE_BACKEND (default
+    "auto"), MEGAMOE_MAX_TOKENS_PER_RANK (default unset). Fields already present are kept."""
+    if not hasattr(config, "moe_megamoe_recipe"):
+        recipe = os.environ.get("MEGAMOE_RECIPE", "bf16").strip()
+        config.moe_megamoe_recipe = None if recipe.lower() in ("", "none") else recipe
+    if not hasattr(config, "moe_megamoe_backend"):
+        config.moe_megamoe_backend = os.environ.get("MEGAMOE_BACKEND", "auto")
+    if not hasattr(config, "moe_megamoe_max_tokens_per_rank"):
+        value = os.environ.get("MEGAMOE_MAX_TOKENS_PER_RANK")
+        config.moe_megamoe_max_tokens_per_rank = int(value) if value else None
+    return config
+
+
 class MegaMoEGPTLayer(BaseTransformerLayer):
     """Placeholder layer class for the non-called `--spec` path: building it builds (and returns)
     the GPT decoder layer Megatron would build at this position, MegaMoE-swapped."""
 
     def __new__(cls, config, submodules=None, layer_number: int = 1, vp_stage=None, pg_collection=None, **kwargs):
+        ensure_megamoe_fields(config)
         pp_rank = None
         if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
             pp_rank = get_pg_rank(pg_collection.pp)

@@ -38,14 +38,16 @@ def _worker(rank, world_size, port, backend, tasks, results):
 
 
 class RankPool:
-    def __init__(self, world_size: int, backend: str = "gloo"):
+    def __init__(self, world_size: int, backend: str = "gloo", daemon: bool = True):
+        """daemon=False lets ranks start processes of their own (Megatron's checkpoint writer does);
+        close() must then be called (the fixtures do)."""
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results), daemon=daemon)
             for r in range(world_size)
         ]
         for p in self.procs:

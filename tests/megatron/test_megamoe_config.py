@@ -1,0 +1,119 @@
+"""MegaMoETransformerConfig / validate_megamoe: every unsupported setting is rejected by name."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_patch import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, validate_megamoe  # noqa: E402
+
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=128,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    gated_linear_unit=True,
+    activation_func=F.silu,
+    add_bias_linear=False,
+    expert_model_parallel_size=2,
+)
+
+
+def make(**overrides):
+    return MegaMoETransformerConfig(**{**BASE, "moe_megamoe_recipe": "bf16", **overrides})
+
+
+def test_valid_configs():
+    for recipe in ("bf16", "fp8", "mxfp8_mxfp4"):
+        cfg = make(moe_megamoe_recipe=recipe, hidden_size=128, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128, activation_func_clamp_value=7.0)
+        assert cfg.moe_megamoe_recipe == recipe and cfg.moe_megamoe_backend == "auto"
+        assert cfg.moe_megamoe_max_tokens_per_rank is None
+    # recipe None: stock Megatron, nothing MegaMoE-specific is checked
+    stock = MegaMoETransformerConfig(**{**BASE, "add_bias_linear": True, "gated_linear_unit": False, "activation_func": F.gelu})
+    assert stock.moe_megamoe_recipe is None
+
+
+# (setting named in the error, constructor overrides)
+REJECTED = [
+    ("moe_megamoe_recipe", dict(moe_megamoe_recipe="int4")),
+    ("moe_megamoe_backend", dict(moe_megamoe_backend="cutlass-dream")),
+    ("moe_megamoe_max_tokens_per_rank", dict(moe_megamoe_max_tokens_per_rank=0)),
+    ("num_moe_experts", dict(num_moe_experts=3, moe_router_topk=2)),
+    ("expert_tensor_parallel_size", dict(expert_tensor_parallel_size=2)),
+    ("tensor_model_parallel_size", dict(tensor_model_parallel_size=2)),
+    ("moe_expert_capacity_factor", dict(moe_expert_capacity_factor=1.0, moe_token_dispatcher_type="alltoall")),
+    ("gated_linear_unit", dict(gated_linear_unit=False)),
+    ("activation_func", dict(activation_func=F.gelu)),
+    ("glu_linear_offset", dict(glu_linear_offset=1.0)),
+    ("add_bias_linear", dict(add_bias_linear=True)),
+    ("moe_latent_size", dict(moe_latent_size=32)),
+    ("hidden_size", dict(moe_megamoe_recipe="fp8")),  # fp8 needs 128-multiples
+    ("moe_ffn_hidden_size", dict(moe_megamoe_recipe="fp8", hidden_size=128, moe_ffn_hidden_size=96)),
+    ("moe_shared_expert_gate", dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True)),
+    ("moe_shared_expert_overlap", dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall")),
+]
+
+
+@pytest.mark.parametrize("setting,overrides", REJECTED, ids=[r[0] for r in REJECTED])
+def test_rejected_at_construction(setting, overrides):
+    with pytest.raises(ValueError) as err:  # MegaMoEConfigError, or Megatron's own check first
+        make(**overrides)
+    if err.type is MegaMoEConfigError:
+        assert str(err.value).startswith(setting + ":"), str(err.value)
+    else:  # Megatron rejected it itself; ours must still name it when asked directly
+        pytest.fail(f"Megatron rejected {setting} before MegaMoE: {err.value}")
+
+
+# settings Megatron's own __post_init__ constrains: set after construction, validate directly
+LATE = [
+    ("moe_router_padding_for_quantization", True),
+    ("moe_pad_expert_input_to_capacity", True),
+    ("moe_token_dropping", True),
+    ("sequence_parallel", True),
+    ("moe_apply_probs_on_input", True),
+    ("moe_mlp_glu_interleave_size", 32),
+    ("moe_single_grouped_weight", True),
+    ("overlap_moe_expert_parallel_comm", True),
+    ("overlap_dispatch_backward_with_experts_wgrad", True),
+    ("transformer_impl", "inference_optimized"),
+    ("cuda_graph_impl", "transformer_engine"),
+]
+
+
+@pytest.mark.parametrize("setting,value", LATE, ids=[r[0] for r in LATE])
+def test_rejected_by_validate(setting, value):
+    cfg = make()
+    setattr(cfg, setting, value)
+    with pytest.raises(MegaMoEConfigError, match=f"^{setting}:"):
+        validate_megamoe(cfg)
+
+
+def test_layer_without_recipe_refuses():
+    from megatron_patch import MegaMoEMoELayer
+
+    cfg = MegaMoETransformerConfig(**BASE)
+    with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_recipe:"):
+        MegaMoEMoELayer(cfg)
+
+
+def test_max_tokens_per_rank():
+    assert max_tokens_per_rank(4096, 2) == 8192
+    assert max_tokens_per_rank(4096, 2, context_parallel_size=2) == 4096
+    assert max_tokens_per_rank(4096, 2, tensor_model_parallel_size=4, sequence_parallel=True) == 2048
+    assert max_tokens_per_rank(4096, 2, tensor_model_parallel_size=4) == 8192
+
+
+def test_megakernel_registration_is_a_noop_on_0_19():
+    from megatron_patch import register_megakernel_backend
+
+    try:
+        import megatron.core.transformer.moe.megakernel.factory  # noqa: F401
+    except ImportError:
+        assert register_megakernel_backend() is False
+    else:
+        assert register_megakernel_backend() is True
