@@ -142,6 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         if resume is True and not has_ckpt:
             raise RecipeError("run.resume", f"no checkpoint to resume from in {run_dir}/checkpoints")
         resume = bool(resume) and has_ckpt  # "auto": resume when there is one
+        if resume:
+            import json
+
+            with open(os.path.join(latest_checkpoint(run_dir), "meta.json")) as f:
+                saved_world = json.load(f).get("world_size")
+            if saved_world != recipe.parallel.world_size:
+                raise RecipeError("parallel.world_size", f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "
+                                  f"{saved_world} ranks (use another run.dir, or --no-resume)")
     except RecipeError as e:
         return _fail(str(e), EXIT_BAD_RECIPE)
     os.makedirs(run_dir, exist_ok=True)

@@ -178,7 +178,7 @@ def _gather_expert_load(model, device: str, stock: StockRouterLoad | None = None
     local = get_expert_load(model, reset=True)
     if local is None or local.numel() == 0:
         return stock.gather() if stock is not None else None
-    local = local.to(device="cuda" if device == "cuda" else "cpu", dtype=torch.int64)
+    local = local.to(device=torch.cuda.current_device() if device == "cuda" else "cpu", dtype=torch.int64)
     # replicas of the same experts (expert data parallel) saw different tokens: sum them
     if parallel_state.get_expert_data_parallel_world_size() > 1:
         dist.all_reduce(local, group=parallel_state.get_expert_data_parallel_group())
@@ -212,6 +212,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     is_main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     t0 = time.perf_counter()
@@ -219,7 +220,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     corpus = build_corpus(recipe, run_dir)
     stock_load = StockRouterLoad(model) if recipe.moe.megamoe_recipe is None else None
     total, expert = _count_params(model)
-    expert_total = torch.tensor([expert], dtype=torch.int64)
+    expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
     dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
     dense_params = total - expert  # replicated on every rank (TP 1)
     expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
@@ -250,7 +251,6 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
     mbs, gbs = recipe.train.micro_batch_size, recipe.global_batch_size
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     steps = recipe.train.steps
     last = min(steps, recipe.train.stop_at or steps)  # this invocation's final step
     if start_step >= last:

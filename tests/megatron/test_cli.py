@@ -159,6 +159,9 @@ def test_train_checkpoint_resume(tmp_path):
         assert a["expert_load"] == b["expert_load"]
         assert a["lr"] == b["lr"]
 
+    # a checkpoint written by 2 ranks is not resumed by 1 (refused before any rank starts)
+    assert cli_main([TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]) == 2
+
 
 def test_synthetic_corpus_is_deterministic():
     from megatron_patch.data import SyntheticCorpus
