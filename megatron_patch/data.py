@@ -156,3 +156,23 @@ def write_synthetic_indexed(prefix: str, num_documents: int = 20000, vocab_size:
         builder.add_document(doc, [len(doc)])
     builder.finalize(prefix + ".idx")
     return prefix
+
+
+def main(argv=None):
+    """python -m megatron_patch.data PREFIX [--documents N] [--vocab-size V] [--seed S]"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m megatron_patch.data",
+                                description="Write the synthetic corpus as a Megatron indexed dataset (PREFIX.bin / PREFIX.idx).")
+    p.add_argument("prefix")
+    p.add_argument("--documents", type=int, default=20000)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--eod-token", type=int, default=0)
+    args = p.parse_args(argv)
+    prefix = write_synthetic_indexed(args.prefix, args.documents, args.vocab_size, args.seed, args.eod_token)
+    print(f"wrote {prefix}.bin and {prefix}.idx ({args.documents} documents); train on it with --set data.path={prefix}")
+
+
+if __name__ == "__main__":
+    main()

@@ -426,7 +426,7 @@ def validate_with_megatron(recipe: Recipe):
     from .train import transformer_config
 
     try:
-        transformer_config(recipe, "cpu")
+        transformer_config(recipe)
     except (ValueError, AssertionError, TypeError) as e:
         text = str(e) or type(e).__name__
         names = sorted(_MEGATRON_KEYS, key=len, reverse=True)

@@ -31,7 +31,8 @@ def lr_at(step: int, recipe: Recipe) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def transformer_config(recipe: Recipe, device: str):
+def transformer_config(recipe: Recipe):
+    """The run's MegaMoETransformerConfig (also built by the validator, before any rank starts)."""
     from megatron_patch import MegaMoETransformerConfig
 
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
@@ -91,7 +92,7 @@ def build_model(recipe: Recipe, device: str):
 
     from megatron_patch import get_megamoe_gpt_decoder_block_spec
 
-    cfg = transformer_config(recipe, device)
+    cfg = transformer_config(recipe)
     spec = get_megamoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     m = recipe.model
     gpt = GPTModel(
