@@ -188,3 +188,25 @@ def test_indexed_dataset_source(tmp_path):
     assert int(batch["tokens"].max()) < 256
     again = IndexedCorpus(prefix, 256, 32, seed=1, num_samples=64, cache_dir=str(tmp_path / "cache")).batch(range(8))
     assert (again["tokens"] == batch["tokens"]).all()
+
+
+def test_deepseek_proxy_features_train_on_cpu(tmp_path):
+    """The DeepSeek-V3 proxy's feature set (fp8 MegaMoE recipe, sigmoid router with expert bias,
+    group-limited top-8, shared expert, dense first layer, sequence aux loss), shrunk to CPU size."""
+    recipe = os.path.join(ROOT, "recipes", "deepseek_v3_proxy_2gpu_fp8.yaml")
+    shrink = {
+        "parallel.device": "cpu", "model.num_layers": 2, "model.moe_layer_freq": "[0,1]", "model.hidden_size": 128,
+        "model.num_attention_heads": 4, "model.ffn_hidden_size": 256, "model.vocab_size": 256, "model.seq_length": 32,
+        "moe.num_experts": 16, "moe.ffn_hidden_size": 128, "moe.shared_expert_ffn_hidden_size": 128,
+        "train.micro_batch_size": 2, "train.warmup_steps": 1, "run.log_every": 1, "run.checkpoint": "false", "run.plot_every": 0,
+    }
+    args = [recipe, "--steps", "2", "--run-dir", str(tmp_path / "ds")]
+    for k, v in shrink.items():
+        args += ["--set", f"{k}={v}"]
+    code, out, err = _run_cli(args)
+    assert code == 0, out + err
+    assert "MegaMoE fp8 (1 x MegaMoEMoELayer)" in out, out
+    records = _metrics(str(tmp_path / "ds"))
+    assert [r["step"] for r in records] == [1, 2]
+    assert len(records[0]["expert_load"]) == 1 and len(records[0]["expert_load"][0]) == 16
+    assert not os.path.exists(str(tmp_path / "ds" / "checkpoints"))
