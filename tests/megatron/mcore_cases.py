@@ -14,6 +14,13 @@ _READY = False
 VOCAB, SEQ, BATCH = 128, 16, 2
 
 
+def device() -> torch.device:
+    """CUDA under NCCL (GPU runs of the same cases), CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init(rank, world):
     """Idempotent per process: CPU shims, Megatron parallel state with EP=world, RNG tracker."""
     global _READY
@@ -68,7 +75,7 @@ def model(cfg, seed=0):
     from megatron_patch import get_megamoe_gpt_decoder_block_spec
 
     torch.manual_seed(seed)
-    return GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ)
+    return GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ).to(device())
 
 
 def batch(rank, seed=0):
@@ -76,7 +83,7 @@ def batch(rank, seed=0):
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    return tokens, pos, labels
+    return tokens.to(device()), pos.to(device()), labels.to(device())
 
 
 def pair(overrides, recipe="bf16"):
@@ -149,7 +156,7 @@ def expert_load(rank, world, overrides=None):
     hooks = [r.register_forward_hook(lambda mod, i, o: routing.append(o[1].detach().clone())) for r in (l.mlp.router for l in mega.decoder.layers)]
     assert get_expert_load(mega, reset=True).sum() == 0
     tokens, pos, labels = batch(rank, seed=3)
-    expected = torch.zeros(2, 4, dtype=torch.int64)
+    expected = torch.zeros(2, 4, dtype=torch.int64, device=device())
     for step in range(2):
         mega.train()
         mega(tokens, pos, None, labels=labels).float().mean().backward()
@@ -220,9 +227,11 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
     return len(ref_stock)
 
 
-def expert_bias_training(rank, world, steps=2):
+def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False):
     """Sigmoid router + aux-loss-free expert bias with DDP, finalize_model_grads and the Megatron
-    optimizer: the bias (and the router's token counts) evolve exactly as with stock layers."""
+    optimizer: the bias (and the router's token counts) evolve exactly as with stock layers.
+    Optionally with the distributed optimizer and overlapped grad reduction (DDP's grad hooks must
+    fire through the stacked weights)."""
     init(rank, world)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -240,8 +249,12 @@ def expert_bias_training(rank, world, steps=2):
     results = {}
     for name, m in (("stock", stock), ("mega", mega)):
         cfg = m.config
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False), [ddp])
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer
+        )
+        ddp = DistributedDataParallel(cfg, ddp_cfg, m)
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer)
+        opt = get_megatron_optimizer(opt_cfg, [ddp])
         losses, biases, counts = [], [], []
         for step in range(steps):
             tokens, pos, labels = batch(rank, seed=10 + step)
@@ -285,7 +298,7 @@ def spec_paths(rank, world):
     for recipe in ("bf16", None):
         for freq in (1, [0, 1]):
             cfg = config(recipe, moe_layer_freq=freq)
-            called = GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ)
+            called = GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ).to(device())
             uncalled = GPTModel(cfg, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ)
             t1, t2 = moe_layer_types(called), moe_layer_types(uncalled)
             assert t1 == t2, (t1, t2)
@@ -313,7 +326,7 @@ def spec_paths(rank, world):
         del os.environ["MEGAMOE_RECIPE"]
     # and it still trains one step through the uncalled spec
     cfg = config("bf16")
-    m = GPTModel(cfg, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ)
+    m = GPTModel(cfg, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ).to(device())
     tokens, pos, labels = batch(rank)
     m(tokens, pos, None, labels=labels).float().mean().backward()
     return out
@@ -349,7 +362,7 @@ def megakernel_backend(rank, world):
         assert megakernel.register_megakernel_backend() is True
         factory = fake[pkg + ".factory"]
         cfg = config(None, num_layers=1, moe_shared_expert_intermediate_size=96)
-        stock = get_moe_module_spec(use_te=False, num_experts=4)(config=cfg, layer_number=1)
+        stock = get_moe_module_spec(use_te=False, num_experts=4)(config=cfg, layer_number=1).to(device())
         stock.set_layer_number(1)
         cfg.moe_megakernel_backend = "megamoe"
         be = factory.build_megakernel_backend(
@@ -361,7 +374,7 @@ def megakernel_backend(rank, world):
         )
         assert isinstance(be, MegakernelBackend) and not list(be.parameters())  # native modules own the weights
         g = torch.Generator().manual_seed(rank)
-        x = torch.randn(SEQ, BATCH, 64, generator=g)
+        x = torch.randn(SEQ, BATCH, 64, generator=g).to(device())
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_stock, _ = stock(x1)
         probs, routing_map = stock.route(x2)

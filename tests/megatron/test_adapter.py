@@ -47,8 +47,10 @@ def test_checkpoint_roundtrip_both_ways(mcore_pool, tmp_path):
     assert n[0] == n[1] > 10
 
 
-def test_expert_bias_updates_match_stock(mcore_pool):
-    res = mcore_pool().run(cases.expert_bias_training)
+@pytest.mark.parametrize("ddp", ["plain", "distopt-overlap"])
+def test_expert_bias_updates_match_stock(mcore_pool, ddp):
+    kw = dict(distributed_optimizer=True, overlap_grad_reduce=True) if ddp != "plain" else {}
+    res = mcore_pool().run(cases.expert_bias_training, **kw)
     assert res[0]["bias"] == res[1]["bias"]  # all-reduced counts: same bias on every rank
 
 
