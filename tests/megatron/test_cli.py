@@ -159,6 +159,13 @@ def test_train_checkpoint_resume(tmp_path):
         assert a["expert_load"] == b["expert_load"]
         assert a["lr"] == b["lr"]
 
+    # the MegaMoE run's checkpoint (model + optimizer) continues with Megatron's stock MoE layers
+    # (same parameters and checkpoint keys), and a finished run given more steps continues
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "7", "--set", "moe.megamoe_recipe=null"])
+    assert code == 0, out + err
+    assert "stock Megatron (2 x MoELayer)" in out and "at step 6" in out and "step     7/7" in out, out
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 8))
+
     # a checkpoint written by 2 ranks is not resumed by 1 (refused before any rank starts)
     assert cli_main([TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]) == 2
 
