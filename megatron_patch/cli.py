@@ -50,22 +50,13 @@ def _fail(message: str, code: int) -> int:
 
 
 def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
-    from .train import run_rank
-
-    run_rank(rank, world, recipe_dict, run_dir, resume)
-
-
-def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
-    """One spawned rank (started through megamoe_train.train_cli.spawn_entry)."""
-    import torch
+    """Train on this rank (process group initialized), then release the MegaMoE buffers and the group."""
     import torch.distributed as dist
 
-    from megamoe_train.launch import init_rank
+    from .train import run_rank
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    init_rank(rank, world, port, backend)
     try:
-        _rank_main(rank, world, recipe_dict, run_dir, resume)
+        run_rank(rank, world, recipe_dict, run_dir, resume)
     finally:
         try:
             from megamoe_train.symm_buffer import destroy_all_symm_buffers
@@ -75,6 +66,17 @@ def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
+    """One spawned rank (started through megamoe_train.train_cli.spawn_entry)."""
+    import torch
+
+    from megamoe_train.launch import init_rank
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    init_rank(rank, world, port, backend)
+    _rank_main(rank, world, recipe_dict, run_dir, resume)
 
 
 def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
@@ -96,10 +98,7 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(backend)
-        try:
-            _rank_main(rank, world, recipe_dict, run_dir, resume)
-        finally:
-            dist.destroy_process_group()
+        _rank_main(rank, world, recipe_dict, run_dir, resume)
         return 0
     try:
         mp.spawn(spawn_entry, args=(world, free_port(), backend, recipe_dict, run_dir, resume), nprocs=world, join=True)
