@@ -1,0 +1,161 @@
+"""`megamoe-train RECIPE.yaml`: train a Megatron-core GPT with MegaMoE layers from a recipe.
+
+The recipe is read and checked before any rank starts; a bad one exits with status 2 and a
+one-line message naming the key. Then the CLI starts the ranks itself: on CPU, gloo processes
+(`parallel.world_size` of them); on GPU, one NCCL process per GPU. Under torchrun (RANK /
+WORLD_SIZE / MASTER_ADDR set) it runs as that one rank instead.
+
+Outputs in the run dir: recipe.yaml (as run), metrics.jsonl, progress.png, checkpoints/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import yaml
+
+from .recipe import Recipe, RecipeError, check_environment, load_recipe
+
+EXIT_BAD_RECIPE = 2
+EXIT_RANK_FAILED = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megamoe-train",
+        description="Train a Megatron-core GPT whose MoE layers run through MegaMoE, from a YAML recipe.",
+        epilog="Example: megamoe-train recipes/tiny_moe_cpu.yaml --steps 20 --run-dir /tmp/run1",
+    )
+    p.add_argument("recipe", help="recipe YAML file (see recipes/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe key, value read as YAML (repeatable), e.g. --set train.lr=3e-4")
+    p.add_argument("--steps", type=int, help="same as --set train.steps=N")
+    p.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="same as --set train.stop_at=STEP: end this invocation after STEP (checkpointed); the LR schedule still runs to train.steps")
+    p.add_argument("--run-dir", help="same as --set run.dir=DIR")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", dest="resume", action="store_const", const=True,
+                   help="continue from the run dir's latest checkpoint (error if there is none)")
+    g.add_argument("--no-resume", dest="resume", action="store_const", const=False,
+                   help="start from scratch even if the run dir has a checkpoint")
+    p.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
+    return p
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"megamoe-train: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
+    """Train on this rank (process group initialized), then release the MegaMoE buffers and the group."""
+    import torch.distributed as dist
+
+    from .train import run_rank
+
+    try:
+        run_rank(rank, world, recipe_dict, run_dir, resume)
+    finally:
+        try:
+            from megamoe_train.symm_buffer import destroy_all_symm_buffers
+
+            destroy_all_symm_buffers()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
+    """One spawned rank (started through megamoe_train.train_cli.spawn_entry)."""
+    import torch
+
+    from megamoe_train.launch import init_rank
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    init_rank(rank, world, port, backend)
+    _rank_main(rank, world, recipe_dict, run_dir, resume)
+
+
+def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
+    import torch.multiprocessing as mp
+
+    from megamoe_train.launch import free_port
+    from megamoe_train.train_cli import spawn_entry
+
+    world = recipe.parallel.world_size
+    backend = "nccl" if device == "cuda" else "gloo"
+    recipe_dict = recipe.to_dict()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun
+        import torch
+        import torch.distributed as dist
+
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if size != world:
+            return _fail(f"parallel.world_size: {world}, but the launcher started {size} ranks", EXIT_BAD_RECIPE)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend)
+        _rank_main(rank, world, recipe_dict, run_dir, resume)
+        return 0
+    try:
+        mp.spawn(spawn_entry, args=(world, free_port(), backend, recipe_dict, run_dir, resume), nprocs=world, join=True)
+    except mp.ProcessRaisedException as e:
+        text = str(e).rstrip()
+        print(text, file=sys.stderr)
+        last = text.splitlines()[-1] if text else "unknown error"
+        return _fail(f"rank {e.error_index} failed: {last}", EXIT_RANK_FAILED)
+    except mp.ProcessExitedException as e:
+        return _fail(f"rank {e.error_index} exited with code {e.exit_code}", EXIT_RANK_FAILED)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megamoe_train.train_cli import quiet
+
+    quiet()
+    args = _parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.stop_at is not None:
+        overrides.append(f"train.stop_at={args.stop_at}")
+    if args.run_dir is not None:
+        overrides.append(f"run.dir={args.run_dir}")
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        if args.check:
+            print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
+            print(f"megamoe-train: {args.recipe} is valid", file=sys.stderr)
+            return 0
+        device = check_environment(recipe)
+        run_dir = os.path.abspath(recipe.run.dir)
+        from .checkpoint import latest_checkpoint
+
+        resume = recipe.run.resume if args.resume is None else args.resume
+        has_ckpt = latest_checkpoint(run_dir) is not None
+        if resume is True and not has_ckpt:
+            raise RecipeError("run.resume", f"no checkpoint to resume from in {run_dir}/checkpoints")
+        resume = bool(resume) and has_ckpt  # "auto": resume when there is one
+        if resume:
+            import json
+
+            with open(os.path.join(latest_checkpoint(run_dir), "meta.json")) as f:
+                saved_world = json.load(f).get("world_size")
+            if saved_world != recipe.parallel.world_size:
+                raise RecipeError("parallel.world_size", f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "
+                                  f"{saved_world} ranks (use another run.dir, or --no-resume)")
+    except RecipeError as e:
+        return _fail(str(e), EXIT_BAD_RECIPE)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
+        yaml.safe_dump(recipe.to_dict(), f, sort_keys=False)
+    return _launch(recipe, device, run_dir, resume)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

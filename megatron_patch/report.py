@@ -1,0 +1,98 @@
+"""Run outputs of `megamoe-train` (rank 0 only): the metrics log and the progress plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class MetricsLog:
+    """metrics.jsonl in the run dir, one JSON object per logged step. On resume the records past
+    the checkpoint's step are dropped, so the file always describes one continuous run."""
+
+    def __init__(self, path: str, resume_step: int | None):
+        self.path = path
+        kept = []
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by a crash
+                    if rec.get("step", 0) <= resume_step:
+                        kept.append(rec)
+        self.records = kept
+        with open(path, "w") as f:
+            for rec in kept:
+                f.write(json.dumps(rec) + "\n")
+
+    def append(self, record: dict):
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+_WARNED = False
+
+
+def plot_progress(records: list[dict], path: str, title: str = ""):
+    """progress.png: loss curve (+ lr), imbalance, and a heatmap of every expert's share of the
+    routed rows per step (summed over MoE layers; 1.0 = perfectly balanced)."""
+    try:
+        import matplotlib
+    except ImportError:  # plotting is optional: metrics.jsonl has everything
+        global _WARNED
+        if not _WARNED:
+            print("[megamoe-train] matplotlib is not installed: no progress.png", flush=True)
+            _WARNED = True
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    recs = [r for r in records if "loss" in r]
+    if not recs:
+        return
+    steps = np.array([r["step"] for r in recs])
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), height_ratios=[2, 1, 2], constrained_layout=True)
+    ax = axes[0]
+    loss = np.array([r["loss"] for r in recs])
+    ax.plot(steps, loss, color="tab:blue", lw=0.6, alpha=0.45, label="loss")
+    if len(loss) >= 10:  # trailing mean over ~5% of the run
+        w = max(5, len(loss) // 20)
+        smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
+        ax.plot(steps[w - 1:], smooth, color="tab:blue", lw=1.6, label=f"mean of {w}")
+    ax.legend(loc="upper right")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["lr"] for r in recs], color="tab:gray", lw=0.8, ls="--", label="lr")
+    ax2.set_ylabel("lr", color="tab:gray")
+    ax.set_title(title or "training progress")
+
+    ax = axes[1]
+    ax.plot(steps, [r.get("load_imbalance", float("nan")) for r in recs], color="tab:red", lw=1)
+    ax.set_ylabel("expert load max/mean")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+    ax = axes[2]
+    loads = [r.get("expert_load") for r in recs]
+    if all(l is not None and len(l) for l in loads):
+        mat = np.array([np.asarray(l, dtype=float).sum(0) for l in loads])  # [steps, E]
+        mean = mat.mean(1, keepdims=True)
+        share = np.divide(mat, mean, out=np.zeros_like(mat), where=mean > 0)
+        im = ax.imshow(share.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, mat.shape[1] - 0.5))
+        fig.colorbar(im, ax=ax, label="rows / mean rows")
+        ax.set_ylabel("expert (global id)")
+        ax.set_xlabel("step")
+        ax.set_title("expert load per step (all MoE layers)")
+    else:
+        ax.set_axis_off()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,219 @@
+"""megamoe-train: recipe validation, a short CPU training run with resume, and the data sources."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megamoe_train.train_cli import quiet  # noqa: E402
+
+quiet()
+
+from megatron_patch.cli import main as cli_main  # noqa: E402
+from megatron_patch.recipe import RecipeError, load_recipe  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+TINY = os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml")
+
+# A smaller model than the recipe's, so a few steps take seconds.
+SMALL = [
+    "--set", "model.num_layers=2", "--set", "model.hidden_size=64", "--set", "model.num_attention_heads=4",
+    "--set", "model.ffn_hidden_size=128", "--set", "model.seq_length=32", "--set", "moe.ffn_hidden_size=64",
+    "--set", "train.micro_batch_size=4", "--set", "train.warmup_steps=2", "--set", "run.log_every=1",
+    "--set", "run.plot_every=0",
+]
+
+
+def test_recipes_exist():
+    names = {os.path.basename(p) for p in RECIPES}
+    assert "tiny_moe_cpu.yaml" in names
+    for model in ("deepseek_v3_proxy", "qwen3_30b_a3b_proxy", "mixtral_proxy"):
+        for gpus in (1, 2):
+            for prec in ("bf16", "fp8"):
+                assert f"{model}_{gpus}gpu_{prec}.yaml" in names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_every_recipe_validates(path):
+    recipe = load_recipe(path)  # deep: builds the Megatron config too
+    assert recipe.train.steps > 0
+    assert recipe.moe.megamoe_recipe in ("bf16", "fp8", "mxfp8_mxfp4")
+
+
+def _write(tmp_path, text, name="bad.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BASE = """
+parallel: {world_size: 2, expert_parallel: 2, device: cpu}
+model: {hidden_size: 128, num_attention_heads: 4}
+moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.hiden_size=64"], "model.hiden_size"),  # unknown key
+        (["trian.steps=3"], "trian"),  # unknown section
+        (["train.steps=ten"], "train.steps"),  # wrong type
+        (["train.lr=[1]"], "train.lr"),
+        (["parallel.expert_parallel=3"], "parallel.expert_parallel"),  # does not divide world size
+        (["parallel.world_size=4", "parallel.expert_parallel=4", "moe.num_experts=6"], "parallel.expert_parallel"),
+        (["moe.megamoe_recipe=fp16"], "moe.megamoe_recipe"),  # unknown recipe name
+        (["moe.topk=9"], "moe.topk"),
+        (["model.dtype=fp64"], "model.dtype"),
+        (["data.path=/nonexistent/corpus"], "data.path"),  # missing file
+        (["moe.megamoe_recipe=fp8", "model.hidden_size=96", "model.num_attention_heads=4"], "model.hidden_size"),
+        (["moe.megamoe_backend=warp9"], "moe.megamoe_backend"),  # rejected by the adapter's config check
+        (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
+    ],
+)
+def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
+    path = _write(tmp_path, BASE)
+    argv = [path, "--check"]
+    for o in overrides:
+        argv += ["--set", o]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {key}:" in err, err
+    assert "Traceback" not in err
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    assert info.value.key == key
+
+
+def test_bad_recipe_file(tmp_path, capsys):
+    assert cli_main([str(tmp_path / "missing.yaml")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    assert cli_main([_write(tmp_path, "run: [1, 2\n")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert cli_main([_write(tmp_path, "run:\n  dir: x\n  sede: 3\n")]) == 2
+    assert "run.sede: unknown key (did you mean 'seed'?)" in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
+    assert cli_main([TINY, "--run-dir", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "run.resume" in capsys.readouterr().err
+
+
+def _run_cli(args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "megamoe_train.train_cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_console_entry_rejects_bad_recipe_cleanly(tmp_path):
+    code, out, err = _run_cli([_write(tmp_path, BASE), "--set", "parallel.expert_parallel=3"], timeout=120)
+    assert code == 2
+    assert "megamoe-train: error: parallel.expert_parallel: 3 does not divide parallel.world_size=2" in err
+    assert "Traceback" not in err and "Warning" not in err, err
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_checkpoint_resume(tmp_path):
+    """A 6-step run stopped after step 4, then resumed: steps continue, metrics are appended, and
+    the result equals an uninterrupted 6-step run (model, optimizer, data position, RNG restored)."""
+    run = str(tmp_path / "run")
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "6", "--stop-at", "4", "--set", "run.save_every=2"])
+    assert code == 0, out + err
+    assert "step     4/6" in out and "checkpoint saved" in out and "stopped (train.stop_at)" in out, out
+    assert "Traceback" not in err, err
+    first = _metrics(run)
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    assert all(r["expert_load"] and len(r["expert_load"][0]) == 8 for r in first)  # [layers, experts], gathered over EP
+    assert all(r["load_imbalance"] >= 1.0 for r in first)
+    assert os.path.isfile(os.path.join(run, "progress.png"))
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_0000002", "step_0000004"]
+
+    # resume (auto: the run dir has a checkpoint)
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "6"])
+    assert code == 0, out + err
+    assert "resumed from" in out and "at step 4" in out, out
+    assert "step     5/6" in out and "step     1/6" not in out, out
+    resumed = _metrics(run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert resumed[:4] == first
+
+    # the same 6 steps without a break
+    ref = str(tmp_path / "ref")
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", ref, "--steps", "6"])
+    assert code == 0, out + err
+    straight = _metrics(ref)
+    for a, b in zip(resumed, straight):
+        assert a["step"] == b["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
+        assert a["expert_load"] == b["expert_load"]
+        assert a["lr"] == b["lr"]
+
+    # the MegaMoE run's checkpoint (model + optimizer) continues with Megatron's stock MoE layers
+    # (same parameters and checkpoint keys), and a finished run given more steps continues
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "7", "--set", "moe.megamoe_recipe=null"])
+    assert code == 0, out + err
+    assert "stock Megatron (2 x MoELayer)" in out and "at step 6" in out and "step     7/7" in out, out
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 8))
+
+    # a checkpoint written by 2 ranks is not resumed by 1 (refused before any rank starts)
+    assert cli_main([TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]) == 2
+
+
+def test_synthetic_corpus_is_deterministic():
+    from megatron_patch.data import SyntheticCorpus
+
+    a = SyntheticCorpus(256, 64, seed=7).batch(range(10, 14))
+    b = SyntheticCorpus(256, 64, seed=7).batch(range(10, 14))
+    c = SyntheticCorpus(256, 64, seed=8).batch(range(10, 14))
+    assert a["tokens"].shape == (4, 64) and a["labels"].shape == (4, 64)
+    assert (a["tokens"] == b["tokens"]).all() and not (a["tokens"] == c["tokens"]).all()
+    assert (a["tokens"][:, 1:] == a["labels"][:, :-1]).all()
+    assert int(a["tokens"].max()) < 256
+
+
+def test_indexed_dataset_source(tmp_path):
+    from megatron_patch.data import IndexedCorpus, write_synthetic_indexed
+
+    prefix = write_synthetic_indexed(str(tmp_path / "corpus" / "synth"), num_documents=500, vocab_size=256)
+    recipe = load_recipe(TINY, [f"data.path={prefix}", f"run.dir={tmp_path / 'run'}"])
+    assert recipe.data.path == prefix
+    corpus = IndexedCorpus(prefix, 256, 32, seed=1, num_samples=64, cache_dir=str(tmp_path / "cache"))
+    batch = corpus.batch(range(8))
+    assert batch["tokens"].shape == (8, 32)
+    assert (batch["tokens"][:, 1:] == batch["labels"][:, :-1]).all()
+    assert int(batch["tokens"].max()) < 256
+    again = IndexedCorpus(prefix, 256, 32, seed=1, num_samples=64, cache_dir=str(tmp_path / "cache")).batch(range(8))
+    assert (again["tokens"] == batch["tokens"]).all()
+
+
+def test_deepseek_proxy_features_train_on_cpu(tmp_path):
+    """The DeepSeek-V3 proxy's feature set (fp8 MegaMoE recipe, sigmoid router with expert bias,
+    group-limited top-8, shared expert, dense first layer, sequence aux loss), shrunk to CPU size."""
+    recipe = os.path.join(ROOT, "recipes", "deepseek_v3_proxy_2gpu_fp8.yaml")
+    shrink = {
+        "parallel.device": "cpu", "model.num_layers": 2, "model.moe_layer_freq": "[0,1]", "model.hidden_size": 128,
+        "model.num_attention_heads": 4, "model.ffn_hidden_size": 256, "model.vocab_size": 256, "model.seq_length": 32,
+        "moe.num_experts": 16, "moe.ffn_hidden_size": 128, "moe.shared_expert_ffn_hidden_size": 128,
+        "train.micro_batch_size": 2, "train.warmup_steps": 1, "run.log_every": 1, "run.checkpoint": "false", "run.plot_every": 0,
+    }
+    args = [recipe, "--steps", "2", "--run-dir", str(tmp_path / "ds")]
+    for k, v in shrink.items():
+        args += ["--set", f"{k}={v}"]
+    code, out, err = _run_cli(args)
+    assert code == 0, out + err
+    assert "MegaMoE fp8 (1 x MegaMoEMoELayer)" in out, out
+    records = _metrics(str(tmp_path / "ds"))
+    assert [r["step"] for r in records] == [1, 2]
+    assert len(records[0]["expert_load"]) == 1 and len(records[0]["expert_load"][0]) == 16
+    assert not os.path.exists(str(tmp_path / "ds" / "checkpoints"))
