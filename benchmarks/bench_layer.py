@@ -443,72 +443,6 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     return rows
 
 
-# ----------------------------------------------------------------------------- micro
-
-
-def run_micro(rank, world, device, args, shapes) -> list[dict]:
-    """Grouped GEMM TFLOP/s at each shape's per-rank expert GEMMs (uniform load):
-    torch._grouped_mm bf16, torch._scaled_grouped_mm fp8 rowwise, ours (if exposed)."""
-    try:
-        from megamoe_train.backends.triton_kernels import grouped_gemm as ours_gg
-    except Exception as e:  # noqa: BLE001
-        ours_gg = None
-        log(rank, f"micro: megamoe_train.backends.triton_kernels.grouped_gemm not available ({type(e).__name__}): ours = n/a")
-    out = []
-    for name in shapes:
-        E, K, H, I, T = SHAPES[name]
-        El = E // world
-        M = T * K  # rows one rank computes under uniform routing
-        per = M // El
-        offs = (torch.arange(1, El + 1, device=device) * per).to(torch.int32)
-        Mt = per * El
-        g = torch.Generator(device=device).manual_seed(args.seed)
-        for layer, (N, Kd) in (("L1", (2 * I, H)), ("L2", (H, I))):
-            a = torch.randn(Mt, Kd, generator=g, device=device, dtype=torch.bfloat16)
-            w = torch.randn(El, N, Kd, generator=g, device=device, dtype=torch.bfloat16) / math.sqrt(Kd)
-            flops = 2.0 * Mt * N * Kd
-            row = dict(shape=name, layer=layer, M=Mt, N=N, K=Kd, groups=El)
-
-            def tflops(fn):
-                try:
-                    r = bench(fn, device, 2, 20, 0.5)
-                    return flops / (r["ms"] * 1e-3) / 1e12
-                except Exception as e:  # noqa: BLE001
-                    log(rank, f"micro {name} {layer}: {type(e).__name__}: {str(e)[:200]}")
-                    return None
-
-            ref = native_moe.grouped_mm(a, w.transpose(-2, -1), offs)
-            row["torch_grouped_mm_bf16"] = tflops(lambda: native_moe.grouped_mm(a, w.transpose(-2, -1), offs))
-            aq, sa = native_moe.quantize_rows(a)
-            wq, sw = native_moe.quantize_rows(w)
-            row["torch_scaled_grouped_mm_fp8"] = (
-                tflops(lambda: native_moe.scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs)) if device.type == "cuda" else None
-            )
-            row["ours_bf16"] = None
-            if ours_gg is not None:
-                # assumed signature: grouped_gemm(a [M,K], w [G,N,K] row-major, offs int32 [G]) -> [M,N]
-                try:
-                    got = ours_gg(a, w, offs)
-                    err = rel_err(got, ref, device)
-                    row["ours_err"] = err
-                    if err < 2e-2:
-                        row["ours_bf16"] = tflops(lambda: ours_gg(a, w, offs))
-                    else:
-                        log(rank, f"micro {name} {layer}: ours grouped_gemm disagrees with torch (rel err {err:.3g}); n/a")
-                except Exception as e:  # noqa: BLE001
-                    log(rank, f"micro {name} {layer}: ours grouped_gemm call failed ({type(e).__name__}: {str(e)[:200]}); n/a")
-            out.append(row)
-            log(
-                rank,
-                f"  micro {name} {layer} M={Mt} N={N} K={Kd} G={El}: torch bf16 {fmt(row['torch_grouped_mm_bf16'], '.1f')} | "
-                f"torch fp8 {fmt(row['torch_scaled_grouped_mm_fp8'], '.1f')} | ours bf16 {fmt(row['ours_bf16'], '.1f')} TFLOP/s",
-            )
-            del a, w, aq, sa, wq, sw, ref
-            free_memory(device)
-    log(rank, "  micro dispatch/combine GB/s of ours: n/a (the backend exposes no per-phase timing); plain peer copy: see floor")
-    return out
-
-
 # ----------------------------------------------------------------------------- output
 
 
@@ -597,7 +531,6 @@ def worker(rank, world, args):
             for routing in args.routing:
                 log(rank, f"case {shape} {routing} {recipe}")
                 cases += run_case(rank, world, device, args, shape, routing, recipe, rates)
-    micro = run_micro(rank, world, device, args, shapes) if args.micro else []
 
     result = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -611,7 +544,6 @@ def worker(rank, world, args):
         args=vars(args),
         floor_rates=rates,
         cases=cases,
-        micro=micro,
         notes=[
             "times: median over iterations of CUDA-event time per call, max over ranks",
             "fwd = training forward (autograd on), output dropped; fwd+bwd = forward + backward with a fixed dY",
@@ -664,7 +596,6 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=1.5, help="about this many seconds of timed iterations per measurement (at least 3 iterations)")
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the skewed routing")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--micro", action="store_true", help="also grouped GEMM micro-benchmarks")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rate measurements")
     p.add_argument("--out", default=None, help="results file (.json, or .md for the markdown table)")
     p.add_argument("--markdown", action="store_true", help="print rows for BENCHMARKS.md")
