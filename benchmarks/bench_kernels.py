@@ -23,6 +23,9 @@ from megamoe_train.launch import spawn
 from megamoe_train.quant import quantize_act, quantize_weight
 from megamoe_train.precision import get_recipe
 
+# Tile configurations of our fp8 grouped GEMM to compare (block_n, stages, warps, group_m);
+# block_m is the pool's block (128).
+FP8_CONFIGS = ((128, 4, 8, 8), (128, 3, 8, 8), (128, 5, 8, 8), (128, 4, 4, 8), (128, 4, 8, 16), (128, 4, 8, 1), (64, 4, 4, 8))
 SHAPES = {"S1": (256, 6, 4096, 2048, 8192), "S2": (128, 8, 2048, 768, 16384), "S3": (8, 2, 4096, 14336, 8192)}
 
 
@@ -70,13 +73,15 @@ def gemm_report(name, shape, rows, N, Kd, dev):
     aq, a_s = quantize_act(a, recipe)
     bq, b_s = quantize_weight(b, recipe)
     best = None
-    for block_n, stages in ((128, 3), (128, 4), (256, 3)):
+    for block_n, stages, warps, group_m in FP8_CONFIGS:
+        cfg = f"block_n={block_n} stages={stages} warps={warps} group_m={group_m}"
         try:
-            t = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_n=block_n, num_stages=stages))
+            t = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_n=block_n, num_stages=stages,
+                                              num_warps=warps, group_m=group_m))
         except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
-            lines.append(f"  fp8 block_n={block_n} stages={stages}: failed {type(exc).__name__}: {str(exc)[:80]}")
+            lines.append(f"  fp8 {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
             continue
-        lines.append(f"  fp8 ours block_n={block_n} stages={stages}: {t:.3f} ms ({tf(t):.0f} TF/s)")
+        lines.append(f"  fp8 ours {cfg}: {t:.3f} ms ({tf(t):.0f} TF/s)")
         best = t if best is None else min(best, t)
     # torch's fp8 grouped GEMM takes row-wise scales only: one per row of A, one per column of B.
     a_row = a.float().abs().amax(1).clamp_min(1e-4) / 448

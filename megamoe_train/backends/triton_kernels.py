@@ -357,7 +357,8 @@ def _grouped_gemm_kernel(
 
 
 def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m: int = 128,
-                 block_n: int | None = None, num_stages: int | None = None, push=None):
+                 block_n: int | None = None, num_stages: int | None = None, push=None,
+                 num_warps: int = 8, group_m: int = 8):
     """out[rows of block i] = a[rows] @ b[block_expert[i]]^T for every block_m-row block.
 
     a [M, K] (bf16, or e4m3 with a_scales [M, K/128] fp32), b [E, N, K] (bf16, or e4m3 with
@@ -391,7 +392,7 @@ def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m:
         a.stride(0), a_scales.stride(0) if scaled else 0, b.stride(0), b.stride(1),
         b_scales.stride(0) if scaled else 0, b_scales.stride(1) if scaled else 0, out.stride(0),
         num_m_blocks, *push_args,
-        SCALED=scaled, PUSH=push is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        num_warps=8, num_stages=num_stages or 4,
+        SCALED=scaled, PUSH=push is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages or 4,
     )
     return None if push is not None else out
