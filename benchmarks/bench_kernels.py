@@ -73,6 +73,7 @@ def gemm_report(name, shape, rows, N, Kd, dev):
     aq, a_s = quantize_act(a, recipe)
     bq, b_s = quantize_weight(b, recipe)
     best = None
+    fp8_ref = None
     for block_n, stages, warps, group_m in FP8_CONFIGS:
         cfg = f"block_n={block_n} stages={stages} warps={warps} group_m={group_m}"
         try:
@@ -81,7 +82,10 @@ def gemm_report(name, shape, rows, N, Kd, dev):
         except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
             lines.append(f"  fp8 {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
             continue
-        lines.append(f"  fp8 ours {cfg}: {t:.3f} ms ({tf(t):.0f} TF/s)")
+        check = out.float().clone()
+        fp8_ref = check if fp8_ref is None else fp8_ref
+        diff = float((check - fp8_ref).norm() / fp8_ref.norm())
+        lines.append(f"  fp8 ours {cfg}: {t:.3f} ms ({tf(t):.0f} TF/s), rel diff to the first config {diff:.1e}")
         best = t if best is None else min(best, t)
     # torch's fp8 grouped GEMM takes row-wise scales only: one per row of A, one per column of B.
     a_row = a.float().abs().amax(1).clamp_min(1e-4) / 448
