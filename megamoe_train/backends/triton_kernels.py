@@ -358,7 +358,7 @@ def _grouped_gemm_kernel(
 
 def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m: int = 128,
                  block_n: int | None = None, num_stages: int | None = None, push=None,
-                 num_warps: int = 8, group_m: int = 8):
+                 num_warps: int = 8, group_m: int = 16):
     """out[rows of block i] = a[rows] @ b[block_expert[i]]^T for every block_m-row block.
 
     a [M, K] (bf16, or e4m3 with a_scales [M, K/128] fp32), b [E, N, K] (bf16, or e4m3 with
