@@ -19,8 +19,12 @@ the buffer whose flags have arrived (or at once with MEGAMOE_SYNC_CHECKS=1, whic
 Input problems the host can see (shapes, dtypes, too many tokens) raise on that rank after it
 has taken part in the call's barriers, so peers never hang.
 
+Shared experts run on a side stream under the routed path (forward and backward) and fill this
+rank's extra combine slot before the second barrier.
+
 Numerics match the reference up to rounding: pre-activations are kept in bf16 instead of fp32,
-and backward GEMMs run in bf16 on the dequantized forward operands with fp32 accumulation.
+backward GEMMs run in bf16 on the dequantized forward operands with fp32 accumulation, and the
+shared experts use bf16 GEMMs (fp32 accumulation, SwiGLU in fp32) where the reference uses fp32.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ..validation import MegaMoEInputError
 from ..weights import ExpertWeights
 from . import triton_kernels as K_
 from .device_plan import DevicePlan, build_device_plan
-from .reference import shared_backward, shared_forward
+from .reference import swiglu, swiglu_backward
 
 STATUS_OK, STATUS_BAD = 1, 2
 BF16_GROUP_ALIGN = 16
@@ -114,6 +118,50 @@ class SavedForward:
     shared_pre_act: torch.Tensor | None
 
 
+def _shared_forward(x, w1, w2, clamp, dtype):
+    """Shared experts as the routed ones run: `dtype` GEMMs with fp32 accumulation, SwiGLU in
+    fp32 (the reference computes them all in fp32, ~10x slower on the GPU). Returns (out, h)."""
+    h = x @ w1.to(dtype).t()
+    s = swiglu(h, w2.shape[1], clamp)  # [gate; up] is the interleave with one chunk of width W
+    return s.to(dtype) @ w2.to(dtype).t(), h
+
+
+def _shared_backward(x, w1, w2, h, clamp, grad_out, dtype):
+    """(dx, dw1, dw2) of _shared_forward."""
+    width = w2.shape[1]
+    s = swiglu(h, width, clamp).to(dtype)
+    grad_w2 = grad_out.t() @ s
+    grad_h = swiglu_backward(h, width, clamp, (grad_out @ w2.to(dtype)).float()).to(dtype)
+    return grad_h @ w1.to(dtype), grad_h.t() @ x, grad_w2
+
+
+def _side_stream(buf: SymmBuffer) -> torch.cuda.Stream:
+    """Stream on which the shared experts overlap the routed path (one per buffer)."""
+    stream = buf.__dict__.get("_side_stream")
+    if stream is None:
+        stream = buf.__dict__["_side_stream"] = torch.cuda.Stream(device=buf.device)
+    return stream
+
+
+def _on_side_stream(buf: SymmBuffer, fn, *tensors):
+    """Start fn(*tensors) on the buffer's side stream after all work queued so far; returns its
+    results, made safe to use (and free) on the current stream once _join_side_stream ran."""
+    main, side = torch.cuda.current_stream(), _side_stream(buf)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn(*tensors)
+    if not torch.cuda.is_current_stream_capturing():  # a graph's pool is not shared across replays
+        for t in tensors:
+            t.record_stream(side)
+        for t in out:
+            t.record_stream(main)
+    return out
+
+
+def _join_side_stream(buf: SymmBuffer):
+    torch.cuda.current_stream().wait_stream(_side_stream(buf))
+
+
 def _grouped_mm(a, b, offs, out_dtype=None):
     """torch's grouped GEMM over expert row groups (a [P, K] x b [E, K, N], or K-grouped
     a [M, P] x b [P, N] -> [E, M, N] when both are 2-D)."""
@@ -187,6 +235,17 @@ def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWe
         raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
     all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1] == buf.call_count).all()
 
+    # Shared experts run on a side stream, under the plan, the pull and the expert GEMMs; they
+    # fill this rank's extra combine slot, which no peer writes.
+    shared_pre_act = None
+    if shared is not None:
+        def shared_slot(x_, w1_, w2_):
+            out_, h_ = _shared_forward(x_, w1_, w2_, cfg.activation_clamp, cfg.dtype)
+            buf.region("combine")[K, :T].copy_(out_)
+            return (h_,)
+
+        (shared_pre_act,) = _on_side_stream(buf, shared_slot, x, shared[0], shared[1])
+
     # 2. Plan from every source's ids (a bad call routes nothing).
     ids = torch.stack([buf.region("topk_idx", s) for s in range(R)])
     ids = torch.where(all_ok, ids, -1)
@@ -228,11 +287,9 @@ def triton_forward(buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWe
         out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
         K_.push_rows(peers, regions["combine"], out, plan.row_src, plan.row_token, plan.row_slot, plan.num_rows)
 
-    # 6. Shared experts fill the extra slot; barrier; fixed-order reduction.
-    shared_pre_act = None
+    # 6. Barrier (shared experts joined first); fixed-order reduction.
     if shared is not None:
-        shared_out, shared_pre_act = shared_forward(x, shared[0], shared[1], cfg.activation_clamp)
-        buf.region("combine")[K, :T] = shared_out.to(cfg.dtype)
+        _join_side_stream(buf)
     buf.barrier()
     own_mask = (buf.region("topk_idx")[:T] >= 0) & all_ok
     y = _reduce_slots(buf, own_mask, T)
@@ -270,8 +327,17 @@ def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, 
     dev, regions, peers, plan = buf.device, buf.layout.regions, buf.peer_base_ptrs, saved.plan
     pool_rows = plan.row_src.shape[0]
 
-    # 1. Publish dY; owners pull it by the saved plan.
+    # 1. Publish dY; owners pull it by the saved plan. Shared experts' backward overlaps on the
+    # side stream and fills this rank's extra combine slot with their dX.
     buf.region("grad_y")[:T].copy_(grad_y)
+    grad_shared = (None, None)
+    if shared is not None:
+        def shared_grads(x_, w1_, w2_, h_, gy_):
+            dx_, dw1_, dw2_ = _shared_backward(x_, w1_, w2_, h_, cfg.activation_clamp, gy_, cfg.dtype)
+            buf.region("combine")[K, :T].copy_(dx_)
+            return dw1_, dw2_
+
+        grad_shared = _on_side_stream(buf, shared_grads, saved.x, shared[0], shared[1], saved.shared_pre_act, grad_y)
     buf.barrier()
     pool_grad = torch.empty(pool_rows, H, dtype=cfg.dtype, device=dev)
     K_.pull_rows(peers, regions["grad_y"], pool_grad, plan.row_src, plan.row_token, plan.num_rows)
@@ -293,10 +359,8 @@ def triton_backward(buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, 
         peers, regions["combine"], grad_x_rows, plan.row_src, plan.row_token, plan.row_slot, plan.num_rows,
         scalar_region=regions["combine_weight_grads"], scalar_values=grad_row_w, topk=K,
     )
-    grad_shared = (None, None)
     if shared is not None:
-        dx_shared, *grad_shared = shared_backward(saved.x, shared[0], shared[1], saved.shared_pre_act, cfg.activation_clamp, grad_y.float())
-        buf.region("combine")[K, :T] = dx_shared.to(cfg.dtype)
+        _join_side_stream(buf)
     buf.barrier()
     grad_x = _reduce_slots(buf, saved.own_mask, T)
     grad_tw = torch.where(saved.own_mask, buf.region("combine_weight_grads")[:T], 0.0)
