@@ -56,7 +56,7 @@ def config(recipe, **overrides):
         activation_func=F.silu,
         add_bias_linear=False,
         use_cpu_initialization=True,
-        expert_model_parallel_size=2,
+        expert_model_parallel_size=dist.get_world_size() if dist.is_initialized() else 2,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         moe_router_load_balancing_type="aux_loss",

@@ -1,4 +1,4 @@
-"""The Megatron-core adapter against Megatron's own MoE layer, on 2 CPU processes (gloo, EP=2)."""
+"""The Megatron-core adapter against Megatron's own MoE layer, on CPU processes (gloo; EP=2, and EP=4 once)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ def test_equivalence_bf16(mcore_pool):
     res = mcore_pool().run(cases.equivalence, dict(moe_shared_expert_intermediate_size=96), bf16=True, tol=3e-2)
     for r in res:
         assert r["n_grads"] > 10
+
+
+def test_equivalence_ep4(mcore_pool):
+    """EP=4 on 4 CPU processes: 8 experts, 2 per rank, shared experts, aux + z-loss."""
+    res = mcore_pool(world=4).run(cases.equivalence, dict(num_moe_experts=8, moe_shared_expert_intermediate_size=96))
+    assert len(res) == 4 and all(r["n_grads"] > 10 for r in res)
 
 
 def test_checkpoint_roundtrip_both_ways(mcore_pool, tmp_path):
