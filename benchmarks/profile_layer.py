@@ -17,12 +17,9 @@ import torch.distributed as dist
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
 from megamoe_train.launch import spawn
 
-SHAPES = {  # experts, topk, hidden, intermediate, tokens per GPU
-    "S1": (256, 6, 4096, 2048, 8192),
-    "S2": (128, 8, 2048, 768, 16384),
-    "S3": (8, 2, 4096, 14336, 8192),
-    "small": (32, 4, 1024, 512, 2048),
-}
+from bench_layer import SHAPES as LAYER_SHAPES
+
+SHAPES = dict(LAYER_SHAPES, small=(32, 4, 1024, 512, 2048))  # (experts, topk, hidden, intermediate, tokens per GPU)
 
 
 def make_inputs(cfg: MegaMoEConfig, rank: int, world: int, dev, seed: int = 0):

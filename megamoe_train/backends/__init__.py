@@ -39,7 +39,7 @@ def triton_supported(buffer) -> bool:
         from .triton_backend import supports
     except ImportError:  # no triton installed
         return False
-    return supports(buffer, buffer.device)
+    return supports(buffer)
 
 
 def resolve_backend(name: str, buffer) -> Backend:

@@ -47,13 +47,13 @@ BF16_GROUP_ALIGN = 16
 SUPPORTED_RECIPES = ("bf16", "fp8")
 
 
-def supports(buf_or_config, device: torch.device) -> bool:
-    cfg = getattr(buf_or_config, "config", buf_or_config)
-    if device.type != "cuda" or cfg.recipe not in SUPPORTED_RECIPES or cfg.dtype != torch.bfloat16:
+def supports(buf: SymmBuffer) -> bool:
+    cfg = buf.config
+    if buf.device.type != "cuda" or cfg.recipe not in SUPPORTED_RECIPES or cfg.dtype != torch.bfloat16:
         return False
     if cfg.intermediate % 128 or cfg.hidden % 128 or cfg.block_m not in (64, 128):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return torch.cuda.get_device_capability(buf.device) >= (9, 0)
 
 
 class _CallChecks:
@@ -162,12 +162,10 @@ def _join_side_stream(buf: SymmBuffer):
     torch.cuda.current_stream().wait_stream(_side_stream(buf))
 
 
-def _grouped_mm(a, b, offs, out_dtype=None):
+def _grouped_mm(a, b, offs):
     """torch's grouped GEMM over expert row groups (a [P, K] x b [E, K, N], or K-grouped
-    a [M, P] x b [P, N] -> [E, M, N] when both are 2-D)."""
-    if out_dtype is None:
-        return torch._grouped_mm(a, b, offs=offs)
-    return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
+    a [M, P] x b [P, N] -> [E, M, N] when both are 2-D); the output has the inputs' dtype."""
+    return torch._grouped_mm(a, b, offs=offs)
 
 
 def _publish(buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
