@@ -137,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint import latest_checkpoint
 
         resume = recipe.run.resume if args.resume is None else args.resume
-        has_ckpt = latest_checkpoint(run_dir) is not None
-        if resume is True and not has_ckpt:
+        latest = latest_checkpoint(run_dir)
+        if resume is True and latest is None:
             raise RecipeError("run.resume", f"no checkpoint to resume from in {run_dir}/checkpoints")
-        resume = bool(resume) and has_ckpt  # "auto": resume when there is one
+        resume = bool(resume) and latest is not None  # "auto": resume when there is one
         if resume:
             import json
 
-            with open(os.path.join(latest_checkpoint(run_dir), "meta.json")) as f:
+            with open(os.path.join(latest, "meta.json")) as f:
                 saved_world = json.load(f).get("world_size")
             if saved_world != recipe.parallel.world_size:
                 raise RecipeError("parallel.world_size", f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "

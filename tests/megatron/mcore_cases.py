@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from test_mega_moe_dist import rel_err  # the suite's one relative-error helper
+
 _READY = False
 VOCAB, SEQ, BATCH = 128, 16, 2
 
@@ -100,10 +102,6 @@ def moe_layer_types(m):
     return [type(x).__name__ for x in m.modules() if isinstance(x, MoELayer)]
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
 
 # ----------------------------------------------------------------------------------------------
 def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
@@ -135,7 +133,7 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
         out[name] = (loss.item(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
-    errs = {n: rel(g2[n], g1[n]) for n in g1}
+    errs = {n: rel_err(g2[n], g1[n]) for n in g1}
     worst = max(errs, key=errs.get)
     assert abs(l1 - l2) <= tol * abs(l1), (l1, l2)
     assert errs[worst] < tol, (worst, errs[worst])
@@ -277,7 +275,7 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
         for a, b in zip(b1[s], b2[s]):
             assert torch.equal(a, b), (s, a, b)
     assert any(b.abs().sum() > 0 for b in b1[-1])  # the bias did move
-    worst = max(rel(p2[n], p1[n]) for n in p1)
+    worst = max(rel_err(p2[n], p1[n]) for n in p1)
     assert worst < 1e-4, worst
     return {"losses": (l1, l2), "bias": [b.tolist() for b in b2[-1]], "param_rel": worst}
 
@@ -379,10 +377,10 @@ def megakernel_backend(rank, world):
         y_stock, _ = stock(x1)
         probs, routing_map = stock.route(x2)
         y_be = be(x2, probs, routing_map)
-        assert rel(y_be.detach(), y_stock.detach()) < 1e-5
+        assert rel_err(y_be.detach(), y_stock.detach()) < 1e-5
         y_stock.sum().backward()
         y_be.sum().backward()
-        assert rel(x2.grad, x1.grad) < 1e-5
+        assert rel_err(x2.grad, x1.grad) < 1e-5
         cfg.moe_megakernel_backend = "mok"
         try:
             factory.build_megakernel_backend(config=cfg, ep_group=None, routed_experts=None, shared_experts=None, num_local_experts=2)
@@ -412,7 +410,7 @@ def quantized_recipe(rank, world, recipe):
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert abs(l1 - l2) < 1e-2 * abs(l1), (l1, l2)
     assert all(torch.isfinite(g).all() for g in g2.values())
-    errs = {n: rel(g2[n], g1[n]) for n in g1}
+    errs = {n: rel_err(g2[n], g1[n]) for n in g1}
     worst = max(errs, key=errs.get)
     assert errs[worst] < {"fp8": 0.2, "mxfp8_mxfp4": 0.5}[recipe], (worst, errs[worst])
     return {"loss": (l1, l2), "worst": (worst, errs[worst])}
