@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 ext_modules = [
     Pybind11Extension(
         "megamoe_train._C",
-        sources=["csrc/bindings.cpp", "csrc/layout.cpp", "csrc/routing_plan.cpp"],
+        sources=["csrc/bindings.cpp", "csrc/layout.cpp"],
         include_dirs=["csrc"],
         cxx_std=17,
         extra_compile_args=["-O2"],

@@ -1,4 +1,16 @@
-"""Symmetric buffer layout of a config and group size (computed by the C++ host code)."""
+"""Symmetric buffer layout of a config and group size (computed by the C++ host code, the one
+source of region sizes and offsets for host code and kernels alike).
+
+Per rank, with T = num_max_tokens_per_rank, H = hidden, K = topk, R = ranks, a = bytes of a
+dispatched activation (1 for fp8, else the compute dtype's), c = bytes of the compute dtype,
+s = 1 with shared experts:
+
+    nbytes ~= T*H*(a + c*(R + 2 + s)) + T*(H/128)*4 (fp8 scales) + T*K*12 + alignment
+
+x (a), dY (c) and one partial row per (owner rank, token) pushed home (c each, plus the shared
+experts' own row); ids, topk weights and d(topk weight) are T*K each. Nothing scales with the
+number of experts or with K times a row.
+"""
 
 from __future__ import annotations
 
@@ -28,17 +40,25 @@ class Region:
     offset: int  # bytes from the start of one rank's buffer
     nbytes: int
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row along the last dimension."""
+        return self.shape[-1] * self.dtype.itemsize
+
 
 @dataclass(frozen=True)
 class BufferLayout:
     num_ranks: int
-    pool_rows: int
     regions: dict[str, Region]
 
     @property
     def nbytes(self) -> int:
         last = max(self.regions.values(), key=lambda r: r.offset)
         return last.offset + last.nbytes
+
+    @property
+    def nbytes_by_region(self) -> dict[str, int]:
+        return {name: r.nbytes for name, r in self.regions.items()}
 
 
 def layout_spec(config: MegaMoEConfig, num_ranks: int) -> dict:
@@ -48,12 +68,9 @@ def layout_spec(config: MegaMoEConfig, num_ranks: int) -> dict:
     scale_dtype = recipe.scale_storage_dtype
     return dict(
         num_ranks=num_ranks,
-        num_local_experts=config.experts_per_rank(num_ranks),
         max_tokens=config.num_max_tokens_per_rank,
         hidden=config.hidden,
-        intermediate=config.intermediate,
         topk=config.topk,
-        block_m=config.block_m,
         act_dtype=_DTYPE_NAMES[act_dtype],
         act_itemsize=act_dtype.itemsize,
         act_block=recipe.act_block,
@@ -61,14 +78,14 @@ def layout_spec(config: MegaMoEConfig, num_ranks: int) -> dict:
         scale_itemsize=scale_dtype.itemsize,
         compute_dtype=_DTYPE_NAMES[config.dtype],
         compute_itemsize=config.dtype.itemsize,
-        num_combine_slots=config.num_combine_slots,
+        shared_experts=1 if config.num_shared_experts else 0,
     )
 
 
 def buffer_layout(config: MegaMoEConfig, num_ranks: int) -> BufferLayout:
-    spec = layout_spec(config, num_ranks)
+    config.experts_per_rank(num_ranks)  # the experts must split evenly over the group
     regions = {
         name: Region(name, _DTYPES_BY_NAME[dtype], tuple(shape), offset, nbytes)
-        for name, dtype, shape, offset, nbytes in _C.buffer_layout(spec)
+        for name, dtype, shape, offset, nbytes in _C.buffer_layout(layout_spec(config, num_ranks))
     }
-    return BufferLayout(num_ranks=num_ranks, pool_rows=_C.pool_rows(spec), regions=regions)
+    return BufferLayout(num_ranks=num_ranks, regions=regions)

@@ -4,6 +4,10 @@ Each rank owns a buffer of identical layout (layout.py) and can read and write e
 buffer directly. On CUDA the mapping is PyTorch symmetric memory (P2P over NVLink; multicast is
 never used). On CPU each rank's buffer is a file in /dev/shm that every process of the group
 maps, so the very same pull/push protocol runs between real processes.
+
+The buffer holds only regions that peers read or write (layout.py); `buf.regions(rank)` gives
+them as typed views. What the protocol remembers between calls on one buffer (the call epoch,
+verdicts still to be read, the side stream) lives in `buf.session` (session.py).
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import datetime
 import mmap
 import os
 import uuid
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
 from .config import MegaMoEConfig
 from .layout import BufferLayout, buffer_layout
+from .session import BufferSession
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -99,8 +105,22 @@ class _CudaSymmetricPeers:
         self.local = None
 
 
+@dataclass(frozen=True)
+class BufferRegions:
+    """One rank's buffer as typed views (names and order from layout.py / csrc/layout.cpp)."""
+
+    status: torch.Tensor  # int32 [2, R, 4]: (verdict, call epoch, -, -) per source, by call parity
+    x: torch.Tensor  # [T, H] published input rows, recipe storage format
+    x_scales: torch.Tensor | None  # [T, H / act_block] their scales (quantized recipes only)
+    topk_idx: torch.Tensor  # int32 [T, K] published expert ids (-1: no row)
+    topk_weights: torch.Tensor  # float32 [T, K]
+    grad_y: torch.Tensor  # [T, H] published dY (compute dtype)
+    partials: torch.Tensor  # [R (+1 shared), T, H] combine rows pushed home, one per (owner, token)
+    topk_weight_grads: torch.Tensor  # float32 [T, K] d(topk weight) pushed home per slot
+
+
 class SymmBuffer:
-    """Every rank's buffer of one layout, as typed views: `region(name, rank)`.
+    """Every rank's buffer of one layout: `regions(rank)` gives typed views of a rank's regions.
 
     Made by `get_symm_buffer`; all ranks of the group must create and destroy it together.
     """
@@ -114,25 +134,39 @@ class SymmBuffer:
         self.timeout_s = timeout_s
         self.layout: BufferLayout = buffer_layout(config, self.world_size)
         self.num_local_experts = config.experts_per_rank(self.world_size)
+        names = {f.name for f in fields(BufferRegions)}
+        if not set(self.layout.regions) <= names:
+            raise RuntimeError(f"SymmBuffer: layout regions {sorted(self.layout.regions)} do not match BufferRegions")
         if self.device.type == "cuda":
             self._transport = _CudaSymmetricPeers(self.layout.nbytes, group, self.device, timeout_s)
         else:
             self._transport = _SharedMemoryPeers(self.layout.nbytes, group, timeout_s)
-        self._views = {}
-        for r, raw in enumerate(self._transport.peers):
+        self._regions = []
+        for raw in self._transport.peers:
+            views = dict.fromkeys(names)
             for name, reg in self.layout.regions.items():
-                self._views[r, name] = raw[reg.offset : reg.offset + reg.nbytes].view(reg.dtype).view(reg.shape)
-        self.call_count = 0  # calls issued through this buffer; every rank must agree on it
+                views[name] = raw[reg.offset : reg.offset + reg.nbytes].view(reg.dtype).view(reg.shape)
+            self._regions.append(BufferRegions(**views))
+        self.session = BufferSession()
 
     @property
     def alive(self) -> bool:
-        return bool(self._views)
+        return bool(self._regions)
 
-    def region(self, name: str, rank: int | None = None) -> torch.Tensor:
-        """Typed view of region `name` in `rank`'s buffer (this rank's by default)."""
-        if not self._views:
+    @property
+    def nbytes(self) -> int:
+        """Symmetric memory of one rank's buffer."""
+        return self.layout.nbytes
+
+    @property
+    def nbytes_by_region(self) -> dict[str, int]:
+        return self.layout.nbytes_by_region
+
+    def regions(self, rank: int | None = None) -> BufferRegions:
+        """Typed views of `rank`'s buffer (this rank's by default)."""
+        if not self._regions:
             raise RuntimeError("SymmBuffer: used after destroy()")
-        return self._views[self.rank if rank is None else rank, name]
+        return self._regions[self.rank if rank is None else rank]
 
     def barrier(self):
         """Cross-rank barrier: all writes any rank made before it are visible after it."""
@@ -142,7 +176,7 @@ class SymmBuffer:
     def peer_base_ptrs(self) -> torch.Tensor:
         """int64 [R] device tensor: base address of every rank's buffer (CUDA only). A region's
         row on rank r lives at peer_base_ptrs[r] + layout.regions[name].offset + row * row_bytes."""
-        if not self._views:
+        if not self._regions:
             raise RuntimeError("SymmBuffer: used after destroy()")
         ptrs = getattr(self._transport, "base_ptrs", None)
         if ptrs is None:
@@ -151,17 +185,18 @@ class SymmBuffer:
 
     def destroy(self):
         """Free the buffer on every rank (collective)."""
-        if not self._views:
+        if not self._regions:
             return
         _BUFFERS.pop(_cache_key(self.group, self.config, self.device), None)
         self.barrier()  # no peer may still be reading or writing our memory
-        self._views = {}
+        self._regions = []
+        self.session = BufferSession()
         self._transport.close()
 
     def __repr__(self):
         return (
             f"SymmBuffer(rank={self.rank}/{self.world_size}, device={self.device}, "
-            f"bytes={self.layout.nbytes}, recipe={self.config.recipe!r})"
+            f"bytes={self.nbytes}, recipe={self.config.recipe!r})"
         )
 
 

@@ -1,4 +1,4 @@
-"""The C++ buffer layout against a plain-Python statement of the same rules."""
+"""The C++ buffer layout against a plain-Python statement of the same rules, and its size."""
 
 import pytest
 import torch
@@ -11,32 +11,19 @@ ALIGN = 256
 
 def python_layout(cfg: MegaMoEConfig, R: int):
     recipe = cfg.precision
-    E, T, H, I, K, bm = cfg.num_experts // R, cfg.num_max_tokens_per_rank, cfg.hidden, cfg.intermediate, cfg.topk, cfg.block_m
-    P = -(-R * T * K // bm) * bm + E * bm
+    T, H, K = cfg.num_max_tokens_per_rank, cfg.hidden, cfg.topk
     act = recipe.act_storage_dtype(cfg.dtype)
     sc = recipe.scale_storage_dtype
     ab = recipe.act_block
     regions = [
         ("status", torch.int32, (2, R, 4)),
-        ("signals", torch.int32, (2, R)),
-        ("recv_counts", torch.int32, (R, E)),
-        ("recv_names", torch.int32, (R, T * K)),
-        ("arrival", torch.int32, (P // bm,)),
-        ("row_src", torch.int32, (P,)),
-        ("row_name", torch.int32, (P,)),
         ("x", act, (T, H)),
         *([("x_scales", sc, (T, H // ab))] if ab else []),
         ("topk_idx", torch.int32, (T, K)),
         ("topk_weights", torch.float32, (T, K)),
         ("grad_y", cfg.dtype, (T, H)),
-        ("pool_x", act, (P, H)),
-        *([("pool_x_scales", sc, (P, H // ab))] if ab else []),
-        ("pool_act", act, (P, I)),
-        *([("pool_act_scales", sc, (P, I // ab))] if ab else []),
-        ("pool_weights", torch.float32, (P,)),
-        ("pool_grad", cfg.dtype, (P, H)),
-        ("combine", cfg.dtype, (cfg.num_combine_slots, T, H)),
-        ("combine_weight_grads", torch.float32, (T, K)),
+        ("partials", cfg.dtype, (R + (1 if cfg.num_shared_experts else 0), T, H)),
+        ("topk_weight_grads", torch.float32, (T, K)),
     ]
     out, offset = {}, 0
     for name, dtype, shape in regions:
@@ -45,7 +32,7 @@ def python_layout(cfg: MegaMoEConfig, R: int):
             nbytes *= d
         out[name] = (dtype, shape, offset, nbytes)
         offset = -(-(offset + nbytes) // ALIGN) * ALIGN
-    return P, out
+    return out
 
 
 CONFIGS = [
@@ -61,8 +48,7 @@ CONFIGS = [
 def test_layout_matches_python(kwargs, R):
     cfg = MegaMoEConfig(**kwargs)
     layout = buffer_layout(cfg, R)
-    P, expected = python_layout(cfg, R)
-    assert layout.pool_rows == P
+    expected = python_layout(cfg, R)
     assert list(layout.regions) == list(expected)
     for name, reg in layout.regions.items():
         assert (reg.dtype, reg.shape, reg.offset, reg.nbytes) == expected[name], name
@@ -71,6 +57,25 @@ def test_layout_matches_python(kwargs, R):
     spans = sorted((r.offset, r.offset + r.nbytes) for r in layout.regions.values())
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     assert layout.nbytes == spans[-1][1]
+    assert layout.nbytes_by_region == {name: e[3] for name, e in expected.items()}
+
+
+# Benchmark shapes (E, K, H, I, T per rank) at EP=2: symmetric memory per rank, in bytes,
+# as BENCHMARKS.md states them.
+SHAPES = {"S1": (256, 6, 4096, 2048, 8192), "S2": (128, 8, 2048, 768, 16384), "S3": (8, 2, 4096, 14336, 8192)}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_buffer_size_of_benchmark_shapes(shape, recipe):
+    E, K, H, I, T = SHAPES[shape]
+    cfg = MegaMoEConfig(num_experts=E, topk=K, hidden=H, intermediate=I, num_max_tokens_per_rank=T, recipe=recipe)
+    nbytes = buffer_layout(cfg, 2).nbytes
+    a = 1 if recipe == "fp8" else 2
+    scales = T * (H // 128) * 4 if recipe == "fp8" else 0
+    # x, dY, 2 partials; ids, weights, d(weights); fp8 scales; alignment
+    assert nbytes == pytest.approx(T * H * (a + 2 * 3) + T * K * 12 + scales, abs=ALIGN * 8)
+    assert nbytes <= 0.5e9  # issue 10's bound at S1 bf16 (was 2.89 GB)
 
 
 def test_layout_rejects_bad_spec():

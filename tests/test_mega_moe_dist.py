@@ -258,7 +258,7 @@ def buffer_config_mismatch(rank, world):
     assert get_symm_buffer(None, other) is buf  # cached per (group, config)
     buf.destroy()
     with pytest.raises(RuntimeError, match="after destroy"):
-        buf.region("x")
+        buf.regions()
     assert get_symm_buffer(None, other) is not buf
 
 

@@ -13,15 +13,17 @@ CFG = dict(num_experts=4, hidden=32, intermediate=16, topk=2, num_max_tokens_per
 def peer_writes_are_visible(rank, world):
     cfg = MegaMoEConfig(**CFG)
     buf = get_symm_buffer(None, cfg, timeout_s=20)
-    assert buf.layout.nbytes > 0 and buf.world_size == world
+    assert buf.nbytes == buf.layout.nbytes > 0 and buf.world_size == world
+    assert sum(buf.nbytes_by_region.values()) <= buf.nbytes
     for name, reg in buf.layout.regions.items():
-        view = buf.region(name, (rank + 1) % world)
+        view = getattr(buf.regions((rank + 1) % world), name)
         assert view.dtype == reg.dtype and tuple(view.shape) == reg.shape
+    assert buf.regions().x_scales is None  # only quantized recipes publish scales
     # every rank writes its id into row `rank` of every peer's x region
     for peer in range(world):
-        buf.region("x", peer)[rank].fill_(rank + 0.5)
+        buf.regions(peer).x[rank].fill_(rank + 0.5)
     buf.barrier()
-    x = buf.region("x")
+    x = buf.regions().x
     for src in range(world):
         assert (x[src] == src + 0.5).all()
     # nothing is left in /dev/shm: files are unlinked once every rank mapped them

@@ -1,14 +1,14 @@
-"""Backends of mega_moe. Each provides forward(buffer, ...) -> (y, saved) and
-backward(buffer, saved, grad_y, ...) -> gradients with the reference backend's meaning."""
+"""Executors of the one protocol (protocol.py), by name. Each Backend's forward / backward is
+the protocol run with that executor's row movement and expert math."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
-import torch
-
-from .reference import reference_backward, reference_forward
+from .. import protocol
+from .reference import ReferenceExecutor
 
 
 @dataclass(frozen=True)
@@ -19,16 +19,21 @@ class Backend:
     checks_ids_on_device: bool = False  # False: ids are range-checked on the host before the call
 
 
-BACKENDS = {"reference": Backend("reference", reference_forward, reference_backward)}
+def _backend(executor) -> Backend:
+    return Backend(executor.name, partial(protocol.forward, executor), partial(protocol.backward, executor),
+                   executor.checks_ids_on_device)
+
+
+BACKENDS = {"reference": _backend(ReferenceExecutor())}
 NAMES = ("reference", "triton")
 
 
 def _triton_backend() -> Backend:
-    """The GPU backend (imported on first use: it needs triton and CUDA)."""
+    """The GPU executor (imported on first use: it needs triton and CUDA)."""
     if "triton" not in BACKENDS:
-        from .triton_backend import triton_backward, triton_forward
+        from .triton_backend import TritonExecutor
 
-        BACKENDS["triton"] = Backend("triton", triton_forward, triton_backward, checks_ids_on_device=True)
+        BACKENDS["triton"] = _backend(TritonExecutor())
     return BACKENDS["triton"]
 
 
@@ -43,7 +48,7 @@ def triton_supported(buffer) -> bool:
 
 
 def resolve_backend(name: str, buffer) -> Backend:
-    """'auto' picks the Triton GPU backend where it supports the buffer (sm90+, bf16/fp8 recipes),
+    """'auto' picks the Triton GPU executor where it supports the buffer (sm90+, bf16/fp8 recipes),
     else the reference, which runs anywhere."""
     if name == "auto":
         return _triton_backend() if triton_supported(buffer) else BACKENDS["reference"]

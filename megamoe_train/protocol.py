@@ -1,0 +1,237 @@
+"""The MegaMoE protocol, written once; an executor supplies the row movement and expert math.
+
+Forward, on every rank r of R (all ranks call together; see docs/protocol.md):
+  1. publish: x (stored per recipe), topk ids (out-of-range ids masked to -1) and topk
+     weights into r's buffer;
+  2. status exchange: r's verdict on its input and the call epoch into every peer's status
+     word; barrier. A bad input anywhere means no rows move in this call, on every rank;
+  3. plan: r reads every source's ids and builds its pool plan (plan.py);
+  4. pull: each (source, token) with slots on r's experts is pulled once (with its scales and
+     topk weights) and written into the pool row of each of those slots;
+  5. expert MLP: L1, clamp + SwiGLU + topk weight, L2 (the executor's);
+  6. push: per received (source, token), the outputs of its slots here summed in fp32 in
+     ascending slot order and pushed home as one partial row; barrier;
+  7. reduce: home sums the partials of the owners in rank order 0..R-1, then its shared
+     experts' row, in fp32: bitwise deterministic.
+Backward mirrors it with the saved plan: publish dY, barrier, pull dY once per (source, token),
+expert backward, push one dX partial per (owner, token) and d(topk weight) per slot straight
+into the home's [T, K] region, barrier, reduce.
+
+Verdicts: executors that may read the device on the host (the oracle, and every executor on
+CPU) raise on every rank right after the exchange. The fast GPU executor keeps the host free
+(CUDA-graph capturable): a bad call moves no rows and is raised at a later call once its
+status has reached the host, or at once with MEGAMOE_SYNC_CHECKS=1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .expert_math import shared_backward, shared_forward, store_act
+from .plan import Plan, build_plan, owner_mask
+from .symm_buffer import SymmBuffer
+from .validation import MegaMoEInputError
+from .weights import ExpertWeights
+
+STATUS_OK, STATUS_BAD = 1, 2
+
+
+@dataclass
+class SavedForward:
+    """What backward needs from forward (nothing that lives in the buffer, which later calls reuse)."""
+
+    num_tokens: int
+    own_mask: torch.Tensor  # bool [T, K]: slots of this rank's tokens that carried rows
+    partial_mask: torch.Tensor  # bool [T, R]: owners that pushed a partial row per token
+    plan: Plan
+    experts: Any  # the executor's saved expert-MLP state
+    x: torch.Tensor | None  # this rank's input, kept for the shared experts
+    shared_pre_act: torch.Tensor | None
+
+
+# ----------------------------------------------------------------------------- status
+
+
+def _sync_checks(buf: SymmBuffer, executor) -> bool:
+    if buf.device.type != "cuda" or executor.reads_device_on_host:
+        return True
+    return os.environ.get("MEGAMOE_SYNC_CHECKS", "0") not in ("", "0")
+
+
+def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int, deferred: bool):
+    bad = [r for r in range(status.shape[0]) if int(status[r, 0]) != STATUS_OK]
+    if bad:
+        what = ""
+        if rank in bad:
+            what = "this rank's input was rejected (an expert id outside [0, num_experts) if nothing else was reported; use -1 to mask a slot); "
+        effect = "that call moved no rows and its output holds only the shared experts" if deferred else "no rows were exchanged"
+        raise MegaMoEInputError(f"mega_moe (rank {rank}, call {call}): {what}rank(s) {bad} rejected their input; {effect}")
+    epochs = status[:, 1].tolist()
+    if len(set(epochs)) != 1:
+        raise RuntimeError(f"mega_moe: ranks are at different calls of this buffer {epochs}; every rank must call each layer")
+
+
+def _raise_deferred(buf: SymmBuffer):
+    for pending in buf.session.ready():
+        _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
+
+
+def _publish(buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
+    """Write this rank's inputs into its buffer; returns its verdict (int32 scalar, on the device)."""
+    cfg = buf.config
+    mine = buf.regions()
+    if problem is not None:
+        mine.topk_idx.fill_(-1)
+        return torch.full((), STATUS_BAD, dtype=torch.int32, device=buf.device)
+    n = x.shape[0]
+    out_of_range = (topk_idx < -1) | (topk_idx >= cfg.num_experts)
+    data, scales = store_act(x, cfg.precision, cfg.dtype)
+    mine.x[:n].copy_(data)
+    if scales is not None:
+        mine.x_scales[:n].copy_(scales)
+    mine.topk_idx[:n].copy_(torch.where(out_of_range, -1, topk_idx))
+    mine.topk_idx[n:].fill_(-1)
+    mine.topk_weights[:n].copy_(topk_weights)
+    return torch.where(out_of_range.any(), STATUS_BAD, STATUS_OK).to(torch.int32)
+
+
+def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Verdict and call epoch into every peer's status word, then the call's first barrier.
+    Returns (status [R, 4] of this call, the call epoch)."""
+    call = buf.session.next_call()
+    parity = call % 2
+    word = torch.zeros(4, dtype=torch.int32, device=buf.device)
+    word[0] = verdict
+    word[1].fill_(call)  # a fill, not a host-to-device copy: capturable
+    for peer in range(buf.world_size):
+        buf.regions(peer).status[parity, buf.rank].copy_(word)
+    buf.barrier()
+    return buf.regions().status[parity].clone(), call
+
+
+# ----------------------------------------------------------------------------- shared experts
+
+
+def _run_shared(buf: SymmBuffer, fn, *tensors):
+    """fn(*tensors) -> tuple; on CUDA on the buffer's side stream, overlapping the routed path
+    until _join_shared (its results are then safe to use and free on the current stream)."""
+    if buf.device.type != "cuda":
+        return fn(*tensors)
+    main, side = torch.cuda.current_stream(), buf.session.stream(buf.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn(*tensors)
+    if not torch.cuda.is_current_stream_capturing():  # a graph's pool is not shared across replays
+        for t in tensors:
+            t.record_stream(side)
+        for t in out:
+            if t is not None:
+                t.record_stream(main)
+    return out
+
+
+def _join_shared(buf: SymmBuffer):
+    if buf.device.type == "cuda" and buf.session.side_stream is not None:
+        torch.cuda.current_stream().wait_stream(buf.session.side_stream)
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+
+def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats, problem):
+    """One forward call. Returns (y [T, H] in config.dtype, SavedForward). With `problem` (this
+    rank's input is bad, x etc. are None) it takes part in the exchange and raises."""
+    cfg = buf.config
+    R, me, E_l, K = buf.world_size, buf.rank, buf.num_local_experts, cfg.topk
+    T = x.shape[0] if problem is None else 0
+    sync = _sync_checks(buf, executor)
+    if not sync:
+        _raise_deferred(buf)
+
+    # 1-2. Publish, exchange verdicts (the first barrier).
+    status, call = _exchange_status(buf, _publish(buf, x, topk_idx, topk_weights, problem))
+    if sync:  # every rank reads the verdicts now and raises at the same point
+        host_status = status.cpu()
+        if problem is not None:
+            raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
+        _raise_on_bad_status(host_status, me, call, deferred=False)
+    elif problem is not None:  # peers route nothing this call; finish its barriers, then raise
+        buf.barrier()
+        buf.session.defer(status, call)  # like its peers, this rank reports it again at the next call
+        raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
+    all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1] == call).all()
+
+    # Shared experts fill this rank's own partial row (index R), which no peer writes.
+    shared_pre_act = None
+    if shared is not None:
+        def shared_row(x_, w1_, w2_):
+            out, h = shared_forward(x_, w1_, w2_, cfg.activation_clamp, executor.shared_dtype(cfg))
+            buf.regions().partials[R, :T].copy_(out)
+            return (h,)
+
+        (shared_pre_act,) = _run_shared(buf, shared_row, x, shared[0], shared[1])
+
+    # 3. Plan from every source's ids (a rejected call routes nothing).
+    ids = torch.stack([buf.regions(s).topk_idx for s in range(R)])
+    ids = torch.where(all_ok, ids, -1)
+    plan = build_plan(ids, me, E_l, executor.row_align(cfg))
+    if recv_stats is not None:
+        recv_stats += plan.expert_counts.to(recv_stats.device)
+
+    # 4-6. Pull once per (source, token), expert MLP, push one partial per (token, owner).
+    pool = executor.pull_inputs(buf, plan)
+    out_rows, experts = executor.experts_forward(cfg, weights, plan, pool)
+    executor.push_partials(buf, plan, out_rows)
+
+    # 7. Barrier (shared experts joined first), then the fixed-order reduction.
+    if shared is not None:
+        _join_shared(buf)
+    buf.barrier()
+    own_ids = buf.regions().topk_idx[:T]
+    own_mask = (own_ids >= 0) & all_ok
+    partial_mask = owner_mask(own_ids, R, E_l) & all_ok
+    y = executor.reduce_partials(buf, partial_mask, T, shared is not None)
+    if not sync:
+        buf.session.defer(status, call)
+
+    saved = SavedForward(
+        num_tokens=T, own_mask=own_mask, partial_mask=partial_mask, plan=plan, experts=experts,
+        x=x if shared is not None else None, shared_pre_act=shared_pre_act,
+    )
+    return y, saved
+
+
+def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared, master):
+    """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2);
+    expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]."""
+    cfg = buf.config
+    R, T = buf.world_size, saved.num_tokens
+
+    # 1. Publish dY; the shared experts' backward overlaps and fills this rank's own partial row.
+    buf.regions().grad_y[:T].copy_(grad_y)
+    grad_shared = (None, None)
+    if shared is not None:
+        def shared_grads(x_, w1_, w2_, h_, gy_):
+            dx, dw1, dw2 = shared_backward(x_, w1_, w2_, h_, cfg.activation_clamp, gy_, executor.shared_dtype(cfg))
+            buf.regions().partials[R, :T].copy_(dx)
+            return dw1, dw2
+
+        grad_shared = _run_shared(buf, shared_grads, saved.x, shared[0], shared[1], saved.shared_pre_act, grad_y)
+    buf.barrier()
+
+    # 2-4. Pull dY once per (source, token); expert backward; push dX partials and d(topk weight).
+    pool_grad = executor.pull_grad(buf, saved.plan)
+    dx_rows, row_weight_grads, grad_w1, grad_w2 = executor.experts_backward(cfg, weights, master, saved.plan, saved.experts, pool_grad)
+    executor.push_partials(buf, saved.plan, dx_rows, row_weight_grads)
+    if shared is not None:
+        _join_shared(buf)
+    buf.barrier()
+
+    # 5. Reduce; masked slots get no weight gradient.
+    grad_x = executor.reduce_partials(buf, saved.partial_mask, T, shared is not None)
+    grad_tw = torch.where(saved.own_mask, buf.regions().topk_weight_grads[:T], 0.0)
+    return grad_x, grad_tw, grad_w1, grad_w2, grad_shared[0], grad_shared[1]
