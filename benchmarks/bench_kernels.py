@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer
 from megamoe_train.backends import triton_kernels as K_
+from megamoe_train.plan import build_plan
 from megamoe_train.launch import spawn
 from megamoe_train.quant import quantize_act, quantize_weight
 from megamoe_train.precision import get_recipe
@@ -110,33 +111,36 @@ def worker(rank, world, shape):
         lines += gemm_report("L1", shape, None, 2 * I, H, dev)
         lines += gemm_report("L2", shape, None, H, I, dev)
     dist.barrier()
-    # Row movement: every pool row pulled from the peer (worst case: all rows remote).
+    # Row movement: every received row pulled from the peer (worst case: all rows remote), by the
+    # layer's pull-and-expand kernel with a plan where each peer token has one slot here.
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=topk, num_max_tokens_per_rank=T, recipe="bf16")
     buf = get_symm_buffer(None, cfg)
     peer = (rank + 1) % world
     n = T
-    buf.region("x").normal_()
-    row_src = torch.full((n,), peer, dtype=torch.int32, device=dev)
-    row_tok = torch.randperm(T, device=dev, dtype=torch.int64)[:n].to(torch.int32)
-    num_rows = torch.tensor([n], dtype=torch.int32, device=dev)
-    dst = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
+    E_l = E // world
+    buf.regions().x.normal_()
+    ids = torch.full((world, T, 1), -1, dtype=torch.int32, device=dev)
+    ids[peer, :, 0] = rank * E_l + torch.randint(0, E_l, (T,), device=dev, dtype=torch.int32)
+    plan = build_plan(ids, rank, E_l, 16)
+    dst = torch.empty(plan.pool_rows, H, dtype=torch.bfloat16, device=dev)
     nbytes = n * H * 2
-    src_view = buf.region("x", peer)[:n]
+    src_view = buf.regions(peer).x[:n]
+    copy_dst = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
 
     def pull():
-        K_.pull_rows(buf.peer_base_ptrs, buf.layout.regions["x"], dst, row_src, row_tok, num_rows)
+        K_.pull_expand(buf.peer_base_ptrs, buf.layout.regions["x"], dst, plan)
 
     def copy():
-        dst.copy_(src_view)
+        copy_dst.copy_(src_view)
 
     def both(fn):
         dist.barrier()
         return bench(fn)
 
     t_pull, t_copy = both(pull), both(copy)
-    ok = torch.equal(dst, src_view)
     pull()
-    ok = ok and torch.equal(dst, buf.region("x", peer)[row_tok.long()])
+    rows = plan.recv_rows[:n, 0].long()
+    ok = torch.equal(dst[rows], src_view[plan.recv_token[:n].long()])
     lines.append(f"rank {rank} pull {n} rows x {H} bf16 from the peer: ours {nbytes / t_pull / 1e6:.0f} GB/s, "
                  f"peer copy (copy engine) {nbytes / t_copy / 1e6:.0f} GB/s, correct={ok}")
     out = [None] * world

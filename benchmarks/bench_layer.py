@@ -18,7 +18,8 @@ Per (shape, routing, recipe) case it times, on the same inputs, each rank with t
   megatron  Megatron-core MoELayer: only reported as skipped (megatron.core is not installed
             on the GPU machines)
   floor     max(GEMM FLOPs / dense GEMM rate, NVLink bytes / NVLink rate), per rank, max over
-            ranks, with the rates measured at the start of the same run
+            ranks, with the rates measured at the start of the same run; NVLink bytes count one
+            row per unique (token, destination GPU), the physical minimum
 each for the forward (training forward, autograd enabled) and forward+backward. Timing: CUDA
 events around every iteration, warmup, median, reported as the max over ranks; barriers between
 phases. Once per case, y (and dx, d topk_weights for fwd+bwd) of ours and native are compared.
@@ -236,25 +237,34 @@ def make_case_tensors(E, K, H, I, T, world, rank, routing, seed, device, zipf_s)
 
 
 def routing_stats(idx, E, world, device) -> dict:
-    """Rows per (source rank, expert) gathered on every rank -> what each rank computes and moves."""
+    """What each rank computes and moves, gathered on every rank: GEMM rows per (source rank,
+    expert), and link rows as unique (token, destination rank) pairs: a token crosses to an
+    owner GPU once however many of its experts live there (the physical minimum of dispatch
+    and combine traffic)."""
     flat = idx.reshape(-1)
     counts = torch.bincount(flat[flat >= 0], minlength=E).to(torch.int64)
     allc = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(allc, counts)
     C = torch.stack(allc).cpu()  # [src, expert]
     El = E // world
+    owner = torch.where(idx >= 0, idx // El, world)
+    dest = torch.zeros(idx.shape[0], world + 1, dtype=torch.bool, device=idx.device).scatter_(1, owner, True)[:, :world]
+    pairs = dest.sum(0).to(torch.int64)  # [owner]: this rank's tokens with a slot there
+    allp = [torch.empty_like(pairs) for _ in range(world)]
+    dist.all_gather(allp, pairs)
+    U = torch.stack(allp).cpu()  # [src, owner] unique (token, owner) pairs
     per_rank = []
     for r in range(world):
         own = slice(r * El, (r + 1) * El)
         recv = int(C[:, own].sum())
-        local = int(C[r, own].sum())
         per_rank.append(
-            dict(recv_rows=recv, dispatch_in=recv - local, combine_in=int(C[r].sum()) - local)
+            dict(recv_rows=recv, dispatch_in=int(U[:, r].sum() - U[r, r]), combine_in=int(U[r].sum() - U[r, r]))
         )
     load = C.sum(0).float()
     return dict(
         per_rank=per_rank,
         rows_total=int(C.sum()),
+        link_rows_total=int(U.sum() - U.diagonal().sum()),
         expert_max_over_mean=float(load.max() / load.mean().clamp(min=1e-9)),
         rank_max_over_mean=float(
             max(p["recv_rows"] for p in per_rank) / max(1e-9, sum(p["recv_rows"] for p in per_rank) / world)
@@ -267,9 +277,10 @@ def floor_ms(stats, H, I, recipe, rates) -> tuple[float | None, float | None, di
     i.e. perfect overlap of communication and compute on the busiest rank.
     GEMM: the FLOPs of the rows that rank's experts got, at the dense 8192^3 rate of the recipe
     (fp8: every GEMM at the fp8 rate, backward too: the floor of the recipe, not of a backward).
-    NVLink: the bytes of the busier direction of that GPU's link, at the peer-copy rate.
-    Forward: dispatch rows in the activation format, combine rows in bf16; backward: dY rows
-    (dispatch direction) and dX rows (combine direction), both bf16."""
+    NVLink: the bytes of the busier direction of that GPU's link, at the peer-copy rate, counting
+    one row per unique (token, destination rank), the physical minimum (a token's experts on one
+    GPU share its row). Forward: dispatch rows in the activation format, combine rows in bf16;
+    backward: dY rows (dispatch direction) and dX rows (combine direction), both bf16."""
     rate = rates["gemm_fp8_tflops"] if recipe == "fp8" else rates["gemm_bf16_tflops"]
     if rate is None:
         return None, None, {}
@@ -305,11 +316,12 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         torch.cuda.reset_peak_memory_stats(device)
     x, idx, tw, w1, w2, grad_y = make_case_tensors(E, K, H, I, T, world, rank, routing, args.seed, device, args.zipf)
     stats = routing_stats(idx, E, world, device)
-    log(rank, f"  rows routed {stats['rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
+    log(rank, f"  rows routed {stats['rows_total']}, rows crossing GPUs (unique token x destination) {stats['link_rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
         f"busiest rank {stats['rank_max_over_mean']:.2f}x mean")
     f_fwd, f_all, f_detail = floor_ms(stats, H, I, recipe, rates)
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(group, cfg, device=device)
+    log(rank, f"  symmetric buffer per rank: {buf.nbytes / 1e6:.1f} MB")
     try:  # the name the backend resolves to, for the record
         backend_name = resolve_backend(args.backend, device).name
     except Exception:  # noqa: BLE001
@@ -548,7 +560,7 @@ def worker(rank, world, args):
             "times: median over iterations of CUDA-event time per call, max over ranks",
             "fwd = training forward (autograd on), output dropped; fwd+bwd = forward + backward with a fixed dY",
             "floor = max over ranks of max(GEMM FLOPs of the rows that rank's experts got / dense 8192^3 rate, "
-            "NVLink bytes of that rank / peer-copy rate); fwd+bwd: 3x FLOPs, backward bytes dY + dX in bf16",
+            "NVLink bytes of that rank / peer-copy rate, one row per unique (token, destination GPU)); fwd+bwd: 3x FLOPs, backward bytes dY + dX in bf16",
             "fp8 floor uses the fp8 dense rate for every GEMM; native fp8 backward runs bf16 grouped GEMMs",
         ],
     )

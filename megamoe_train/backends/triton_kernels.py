@@ -28,27 +28,40 @@ _TL_DTYPES = {
 
 
 @triton.jit
-def _pull_rows_kernel(
-    peer_bases, region_offset, row_bytes, dst, dst_stride,
-    row_src, row_token, num_rows_ptr,
-    width, rows_per_prog,
-    ELEM: tl.constexpr, BLOCK: tl.constexpr,
+def _pull_expand_kernel(
+    peer_bases, region_offset, row_bytes, pool, pool_stride,
+    recv_src, recv_token, recv_rows, num_recv_ptr, row_recv, num_rows_ptr,
+    width, recv_per_prog, rows_per_prog, num_pull_progs,
+    TOPK: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """dst[p, :width] = region[row_token[p]] of rank row_src[p]; zeros where row_src[p] < 0."""
-    num_rows = tl.load(num_rows_ptr)
-    start = tl.program_id(0) * rows_per_prog
-    if start >= num_rows:
-        return
+    """Programs [0, num_pull_progs): each received row u is read once from rank recv_src[u]
+    (row recv_token[u] of the region) and stored into pool row recv_rows[u, k] of every slot k
+    it has here. The other programs zero the padding rows (row_recv < 0) of the live pool."""
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    for p in range(start, tl.minimum(start + rows_per_prog, num_rows)):
-        src = tl.load(row_src + p)
-        tok = tl.load(row_token + p).to(tl.int64)
-        base = tl.load(peer_bases + tl.maximum(src, 0))
-        row = (base + region_offset + tok * row_bytes).to(tl.pointer_type(ELEM))
-        for c in range(0, width, BLOCK):
-            m = (c + cols) < width
-            v = tl.load(row + c + cols, mask=m & (src >= 0), other=0)
-            tl.store(dst + p.to(tl.int64) * dst_stride + c + cols, v, mask=m)
+    if pid < num_pull_progs:
+        num_recv = tl.load(num_recv_ptr)
+        start = pid * recv_per_prog
+        for u in range(start, tl.minimum(start + recv_per_prog, num_recv)):
+            src = tl.load(recv_src + u)
+            tok = tl.load(recv_token + u).to(tl.int64)
+            base = tl.load(peer_bases + src)
+            row = (base + region_offset + tok * row_bytes).to(tl.pointer_type(ELEM))
+            for c in range(0, width, BLOCK):
+                m = (c + cols) < width
+                v = tl.load(row + c + cols, mask=m)
+                for k in tl.static_range(TOPK):
+                    dest = tl.load(recv_rows + u * TOPK + k).to(tl.int64)
+                    tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + cols, v, mask=m & (dest >= 0))
+    else:
+        num_rows = tl.load(num_rows_ptr)
+        start = (pid - num_pull_progs) * rows_per_prog
+        zeros = tl.zeros([BLOCK], dtype=ELEM)
+        for p in range(start, tl.minimum(start + rows_per_prog, num_rows)):
+            if tl.load(row_recv + p) < 0:
+                for c in range(0, width, BLOCK):
+                    m = (c + cols) < width
+                    tl.store(pool + tl.cast(p, tl.int64) * pool_stride + c + cols, zeros, mask=m)
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -56,64 +69,71 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def pull_rows(peer_bases, region, dst, row_src, row_token, num_rows, rows_per_prog: int = 8):
-    """Gather rows of a symmetric region from their source ranks into local `dst` [Pmax, width]."""
-    dst = _movable(dst)
-    width = dst.shape[1]
+def pull_expand(peer_bases, region, pool, plan, recv_per_prog: int = 4, rows_per_prog: int = 16):
+    """Pull every received (source, token) row of a symmetric region once and write it into all
+    of its pool rows; zero the live pool's padding rows. pool: local [P, width]."""
+    pool = _movable(pool)
+    width = pool.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
-    grid = (triton.cdiv(dst.shape[0], rows_per_prog),)
-    _pull_rows_kernel[grid](
-        peer_bases, region.offset, region.nbytes // region.shape[0], dst, dst.stride(0),
-        row_src, row_token, num_rows, width, rows_per_prog,
-        ELEM=_TL_DTYPES[dst.dtype], BLOCK=block, num_warps=4,
+    U, topk = plan.recv_rows.shape
+    pull_progs = triton.cdiv(U, recv_per_prog)
+    grid = (pull_progs + triton.cdiv(pool.shape[0], rows_per_prog),)
+    _pull_expand_kernel[grid](
+        peer_bases, region.offset, region.row_bytes, pool, pool.stride(0),
+        plan.recv_src, plan.recv_token, plan.recv_rows, plan.num_recv, plan.row_recv, plan.num_rows,
+        width, recv_per_prog, rows_per_prog, pull_progs,
+        TOPK=topk, ELEM=_TL_DTYPES[pool.dtype], BLOCK=block, num_warps=4,
     )
 
 
 @triton.jit
-def _push_rows_kernel(
-    peer_bases, region_offset, slot_stride_rows, row_bytes, src_rows, src_stride,
-    row_dst, row_token, row_slot, num_rows_ptr,
-    width, rows_per_prog,
-    scalar_region_offset, scalar_values, topk,
-    ELEM: tl.constexpr, BLOCK: tl.constexpr, WITH_SCALAR: tl.constexpr,
+def _push_partials_kernel(
+    peer_bases, region_offset, row_bytes, max_tokens, me,
+    rows, rows_stride, recv_src, recv_token, recv_rows, num_recv_ptr,
+    width, recv_per_prog, scalar_region_offset, scalars,
+    TOPK: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, WITH_SCALAR: tl.constexpr,
 ):
-    """region[row_slot[p], row_token[p]] of rank row_dst[p] = src_rows[p]; optionally also
-    scalar_region[row_token[p], row_slot[p]] (fp32 [T, K]) = scalar_values[p]."""
-    num_rows = tl.load(num_rows_ptr)
-    start = tl.program_id(0) * rows_per_prog
-    if start >= num_rows:
+    """For each received row u: sum over k = 0..K-1 of rows[recv_rows[u, k]] (present slots) in
+    fp32, in that order, stored as partials[me, recv_token[u]] on rank recv_src[u]; with
+    WITH_SCALAR also scalars[recv_rows[u, k]] into that rank's [T, K] region at (token, k)."""
+    num_recv = tl.load(num_recv_ptr)
+    start = tl.program_id(0) * recv_per_prog
+    if start >= num_recv:
         return
     cols = tl.arange(0, BLOCK)
-    for p in range(start, tl.minimum(start + rows_per_prog, num_rows)):
-        dst_rank = tl.load(row_dst + p)
-        if dst_rank >= 0:
-            tok = tl.load(row_token + p).to(tl.int64)
-            slot = tl.load(row_slot + p).to(tl.int64)
-            base = tl.load(peer_bases + dst_rank)
-            row = (base + region_offset + (slot * slot_stride_rows + tok) * row_bytes).to(tl.pointer_type(ELEM))
-            for c in range(0, width, BLOCK):
-                m = (c + cols) < width
-                v = tl.load(src_rows + p.to(tl.int64) * src_stride + c + cols, mask=m)
-                tl.store(row + c + cols, v, mask=m)
-            if WITH_SCALAR:
-                sp = (base + scalar_region_offset + (tok * topk + slot) * 4).to(tl.pointer_type(tl.float32))
-                tl.store(sp, tl.load(scalar_values + p))
+    for u in range(start, tl.minimum(start + recv_per_prog, num_recv)):
+        src = tl.load(recv_src + u)
+        tok = tl.load(recv_token + u).to(tl.int64)
+        base = tl.load(peer_bases + src)
+        dst = (base + region_offset + (me * max_tokens + tok) * row_bytes).to(tl.pointer_type(OUT))
+        for c in range(0, width, BLOCK):
+            m = (c + cols) < width
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in tl.static_range(TOPK):
+                d = tl.load(recv_rows + u * TOPK + k).to(tl.int64)
+                v = tl.load(rows + tl.maximum(d, 0) * rows_stride + c + cols, mask=m & (d >= 0), other=0.0)
+                acc += v.to(tl.float32)
+            tl.store(dst + c + cols, acc.to(OUT), mask=m)
+        if WITH_SCALAR:
+            for k in tl.static_range(TOPK):
+                d = tl.load(recv_rows + u * TOPK + k)
+                if d >= 0:
+                    sp = (base + scalar_region_offset + (tok * TOPK + k) * 4).to(tl.pointer_type(tl.float32))
+                    tl.store(sp, tl.load(scalars + d))
 
 
-def push_rows(peer_bases, region, src_rows, row_dst, row_token, row_slot, num_rows,
-              scalar_region=None, scalar_values=None, topk: int = 1, rows_per_prog: int = 8):
-    """Scatter local rows into [slot, token] of a [S, T, width] symmetric region on their home ranks."""
-    src_rows = _movable(src_rows)
-    width = src_rows.shape[1]
+def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, scalars=None, recv_per_prog: int = 4):
+    """One partial row per received (source, token) into the [S, T, width] symmetric region of
+    its home rank at [me, token] (the owner's sum of its slots); optionally d(topk weight)."""
+    width = rows.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
-    slots, tokens = region.shape[0], region.shape[1]
-    grid = (triton.cdiv(src_rows.shape[0], rows_per_prog),)
+    U, topk = plan.recv_rows.shape
     with_scalar = scalar_region is not None
-    _push_rows_kernel[grid](
-        peer_bases, region.offset, tokens, region.nbytes // (slots * tokens), src_rows, src_rows.stride(0),
-        row_dst, row_token, row_slot, num_rows, width, rows_per_prog,
-        scalar_region.offset if with_scalar else 0, scalar_values if with_scalar else src_rows, topk,
-        ELEM=_TL_DTYPES[src_rows.dtype], BLOCK=block, WITH_SCALAR=with_scalar, num_warps=4,
+    _push_partials_kernel[(triton.cdiv(U, recv_per_prog),)](
+        peer_bases, region.offset, region.row_bytes, region.shape[1], me,
+        rows, rows.stride(0), plan.recv_src, plan.recv_token, plan.recv_rows, plan.num_recv,
+        width, recv_per_prog, scalar_region.offset if with_scalar else 0, scalars if with_scalar else rows,
+        TOPK=topk, OUT=_TL_DTYPES[region.dtype], BLOCK=block, WITH_SCALAR=with_scalar, num_warps=4,
     )
 
 
@@ -259,37 +279,37 @@ def dequantize_rows(data, scales, out, num_rows):
 
 
 @triton.jit
-def _reduce_slots_kernel(
-    combine, slot_stride, mask, out, T, H, topk,
+def _reduce_partials_kernel(
+    partials, part_stride, mask, out, T, H, num_ranks,
     HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum over k in 0..K-1 of combine[k, t] where mask[t, k] (+ combine[K, t]), in fp32,
-    in this fixed order. Unset slots are never read, so stale or poisoned rows cannot leak."""
+    """out[t] = sum over owners r = 0..R-1 of partials[r, t] where mask[t, r] (+ partials[R, t]),
+    in fp32, in this fixed order. Unset rows are never read, so stale or poisoned rows cannot leak."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < T
     offs = rows[:, None].to(tl.int64) * H + cols[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    for k in range(0, topk):
-        m = tl.load(mask + rows * topk + k, mask=rmask, other=0) != 0
-        v = tl.load(combine + k * slot_stride + offs, mask=m[:, None], other=0.0).to(tl.float32)
-        acc += v
+    for r in range(0, num_ranks):
+        m = tl.load(mask + rows * num_ranks + r, mask=rmask, other=0) != 0
+        acc += tl.load(partials + r * part_stride + offs, mask=m[:, None], other=0.0).to(tl.float32)
     if HAS_SHARED:
-        acc += tl.load(combine + topk * slot_stride + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(partials + num_ranks * part_stride + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=rmask[:, None])
 
 
-def reduce_slots(combine, mask, num_tokens: int, has_shared: bool, out_dtype):
-    """Deterministic sum of a [S, T_max, H] combine buffer's slots for the first num_tokens tokens."""
-    topk = mask.shape[1]
-    H = combine.shape[2]
-    out = torch.empty(num_tokens, H, dtype=out_dtype, device=combine.device)
+def reduce_partials(partials, mask, num_tokens: int, has_shared: bool, out_dtype):
+    """Deterministic sum of a [S, T_max, H] partials region for the first num_tokens tokens;
+    mask bool [T, R] says which owners pushed a row."""
+    num_ranks = mask.shape[1]
+    H = partials.shape[2]
+    out = torch.empty(num_tokens, H, dtype=out_dtype, device=partials.device)
     if num_tokens == 0:
         return out
     assert H % 128 == 0
     grid = (triton.cdiv(num_tokens, 16), H // 128)
-    _reduce_slots_kernel[grid](
-        combine, combine.stride(0), mask.to(torch.uint8), out, num_tokens, H, topk,
+    _reduce_partials_kernel[grid](
+        partials, partials.stride(0), mask.to(torch.uint8).contiguous(), out, num_tokens, H, num_ranks,
         HAS_SHARED=has_shared, BLOCK_T=16, BLOCK_H=128, num_warps=4,
     )
     return out
@@ -304,16 +324,12 @@ def _grouped_gemm_kernel(
     N, K,
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     num_m_blocks,
-    peer_bases, local_base, region_offset, slot_stride_rows, row_dst, row_token, row_slot,
-    SCALED: tl.constexpr, PUSH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[m, :] = A[m, :] @ B[e]^T for the rows of every BLOCK_M block, e = block_expert[block]
     (-1: idle block). With SCALED, A is e4m3 with one fp32 scale per 1x128 and B e4m3 with one
-    per 128x128 block; each 128-deep partial product is scaled before it is accumulated.
-    With PUSH, row m is not stored in C but pushed straight into [row_slot, row_token] of the
-    [S, T, N] symmetric region on rank row_dst[m] (rows with row_dst < 0 are padding): the
-    combine's NVLink writes overlap the GEMM and the output never makes an HBM round trip."""
+    per 128x128 block; each 128-deep partial product is scaled before it is accumulated."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n_blocks
@@ -341,57 +357,33 @@ def _grouped_gemm_kernel(
             acc = tl.dot(a_tile, b_tile, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if PUSH:
-        dst = tl.load(row_dst + offs_m)
-        tok = tl.load(row_token + offs_m).to(tl.int64)
-        slot = tl.load(row_slot + offs_m).to(tl.int64)
-        base = tl.load(peer_bases + tl.maximum(dst, 0))
-        # Element offset of each destination row from this rank's buffer start (same address
-        # space, 256-byte aligned bases), so the store is plain pointer arithmetic.
-        row = (base - local_base + region_offset) // 2 + (slot * slot_stride_rows + tok) * N
-        ptrs = c + row[:, None] + offs_n[None, :]
-        tl.store(ptrs, acc.to(c.dtype.element_ty), mask=(dst >= 0)[:, None])
-    else:
-        tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c.dtype.element_ty))
+    tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c.dtype.element_ty))
 
 
 def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m: int = 128,
-                 block_n: int | None = None, num_stages: int | None = None, push=None,
+                 block_n: int | None = None, num_stages: int | None = None,
                  num_warps: int = 8, group_m: int = 16):
     """out[rows of block i] = a[rows] @ b[block_expert[i]]^T for every block_m-row block.
 
     a [M, K] (bf16, or e4m3 with a_scales [M, K/128] fp32), b [E, N, K] (bf16, or e4m3 with
     b_scales [E, N/128, K/128] fp32), block_expert int32 [M / block_m] (-1 = skip), out [M, N].
-    push = (buffer, region name, row_dst, row_token, row_slot): push rows into that [S, T, N]
-    symmetric region instead of writing `out` (then out may be None).
     """
     M, K = a.shape
     N = b.shape[1]
-    if push is not None:
-        buf, name, row_dst, row_token, row_slot = push
-        region = buf.layout.regions[name]
-        assert region.dtype == torch.bfloat16 and region.shape[2] == N and region.offset % 2 == 0
-        out = buf.region(name)
-        # c = this rank's buffer start as a bf16 pointer; the kernel adds each row's offset.
-        c_arg = torch.as_strided(out, (1,), (1,), out.storage_offset() - region.offset // 2)
-        push_args = (buf.peer_base_ptrs, c_arg.data_ptr(), region.offset, region.shape[1], row_dst, row_token, row_slot)
-    else:
-        push_args = (a, 0, 0, 0, block_expert, block_expert, block_expert)
-        c_arg = out
     scaled = a_scales is not None
     block_k = 128 if scaled else 64
-    block_n = block_n or (128 if scaled else 128)
+    block_n = block_n or 128
     assert M % block_m == 0 and N % block_n == 0 and K % block_k == 0, (M, N, K, block_m, block_n, block_k)
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(-1) == 1
     num_m_blocks = M // block_m
     grid = (num_m_blocks * (N // block_n),)
     _grouped_gemm_kernel[grid](
-        a, a_scales if scaled else a, b, b_scales if scaled else b, c_arg, block_expert,
+        a, a_scales if scaled else a, b, b_scales if scaled else b, out, block_expert,
         N, K,
         a.stride(0), a_scales.stride(0) if scaled else 0, b.stride(0), b.stride(1),
         b_scales.stride(0) if scaled else 0, b_scales.stride(1) if scaled else 0, out.stride(0),
-        num_m_blocks, *push_args,
-        SCALED=scaled, PUSH=push is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_m_blocks,
+        SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages or 4,
     )
-    return None if push is not None else out
+    return out
