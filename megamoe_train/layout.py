@@ -5,7 +5,7 @@ Per rank, with T = num_max_tokens_per_rank, H = hidden, K = topk, R = ranks, a =
 dispatched activation (1 for fp8, else the compute dtype's), c = bytes of the compute dtype,
 s = 1 with shared experts:
 
-    nbytes ~= T*H*(a + c*(R + 2 + s)) + T*(H/128)*4 (fp8 scales) + T*K*12 + alignment
+    nbytes ~= T*H*(a + c*(R + 1 + s)) + T*(H/128)*4 (fp8 scales) + T*K*12 + alignment
 
 x (a), dY (c) and one partial row per (owner rank, token) pushed home (c each, plus the shared
 experts' own row); ids, topk weights and d(topk weight) are T*K each. Nothing scales with the
