@@ -53,8 +53,9 @@ def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int)
     valid = ((ids >= 0) & (local >= 0) & (local < E_l)).flatten()
     expert = torch.where(valid, local.flatten(), E_l)  # E_l: "no expert here"
 
-    # Pool rows: expert-major; a stable sort keeps (source, token, slot) order within an expert.
-    order = torch.argsort(expert, stable=True)
+    # Pool rows: expert-major; a stable sort keeps (source, token, slot) order within an expert
+    # (int32 keys: half the radix passes of int64).
+    order = torch.argsort(expert.to(torch.int32), stable=True)
     sizes = torch.zeros(E_l + 1, dtype=torch.long, device=dev).scatter_add_(0, expert, torch.ones_like(expert))
     counts = sizes[:E_l]
     padded = (counts + align - 1) // align * align
@@ -67,16 +68,19 @@ def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int)
     row_of_slot = torch.empty(n, dtype=torch.long, device=dev)
     row_of_slot[order] = row_sorted
 
-    # Received rows: the (source, token) pairs with any slot here, in order.
+    # Received rows: the (source, token) pairs with any slot here, in order (a cumsum numbers them).
     pair_valid = valid.view(R * T, K).any(1)
-    pair_order = torch.argsort((~pair_valid).to(torch.int8), stable=True)  # valid pairs first
+    recv_of_pair = torch.cumsum(pair_valid, 0) - 1  # meaningful where pair_valid
     num_recv = pair_valid.sum()
-    recv_of_pair = torch.empty(R * T, dtype=torch.long, device=dev)
-    recv_of_pair[pair_order] = torch.arange(R * T, device=dev)
-    live = torch.arange(R * T, device=dev) < num_recv
+    dest = torch.where(pair_valid, recv_of_pair, R * T)  # R*T: a dump slot
+    pair_order = torch.full((R * T + 1,), -1, dtype=torch.long, device=dev)
+    pair_order.scatter_(0, dest, torch.arange(R * T, device=dev))
+    pair_order = pair_order[: R * T]  # [U]: the pair of received row u, -1 past num_recv
+    live = pair_order >= 0
     recv_src = torch.where(live, pair_order // T, -1)
     recv_token = torch.where(live, pair_order % T, -1)
-    recv_rows = torch.where(valid, row_of_slot, -1).view(R * T, K)[pair_order]
+    slot_rows = torch.where(valid, row_of_slot, -1).view(R * T, K)
+    recv_rows = torch.where(live[:, None], slot_rows[pair_order.clamp(min=0)], -1)
 
     def per_pool_row(values: torch.Tensor) -> torch.Tensor:
         out = torch.full((P + 1,), -1, dtype=torch.int32, device=dev)
