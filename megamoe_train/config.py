@@ -26,7 +26,8 @@ class MegaMoEConfig:
     activation_clamp: c, applied as gate = min(gate, c), up = clamp(up, -c, c) before SwiGLU.
     dtype: activation / output dtype and the dtype combine rows travel in. bfloat16 is what
       training uses; float32 gives exact comparisons in tests.
-    block_m: rows per GEMM M-block; each expert's pool segment is padded to a multiple of it.
+    block_m: rows per fp8 GEMM M-block of the GPU executor; each expert's pool segment is padded
+      to a multiple of it there (the reference executor pads nothing, bf16 GEMMs pad to 16).
     """
 
     num_experts: int
@@ -87,11 +88,6 @@ class MegaMoEConfig:
     def shared_width(self) -> int:
         """Width of the fused shared-expert MLP (0 without shared experts)."""
         return self.num_shared_experts * (self.shared_intermediate or self.intermediate)
-
-    @property
-    def num_combine_slots(self) -> int:
-        """Rows per token in the combine buffer: K routed slots, plus one for shared experts."""
-        return self.topk + (1 if self.num_shared_experts else 0)
 
     def experts_per_rank(self, num_ranks: int) -> int:
         if self.num_experts % num_ranks:

@@ -10,7 +10,6 @@ OK = dict(num_experts=8, hidden=256, intermediate=128, topk=2, num_max_tokens_pe
 def test_valid_configs(recipe):
     cfg = MegaMoEConfig(**OK, recipe=recipe)
     assert cfg.precision.name == recipe
-    assert cfg.num_combine_slots == 2
     assert cfg.experts_per_rank(4) == 2
 
 
@@ -40,7 +39,7 @@ def test_invalid_configs_name_the_field(change, field):
 
 def test_shared_width_and_group_divisibility():
     cfg = MegaMoEConfig(**OK, num_shared_experts=2, shared_intermediate=64)
-    assert cfg.shared_width == 128 and cfg.num_combine_slots == 3
+    assert cfg.shared_width == 128
     assert MegaMoEConfig(**OK, num_shared_experts=1).shared_width == 128
     with pytest.raises(ValueError, match="num_experts"):
         cfg.experts_per_rank(3)

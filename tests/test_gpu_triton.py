@@ -20,7 +20,7 @@ TRITON_BASE = dict(num_experts=16, hidden=256, intermediate=256, topk=4, num_max
 
 
 def _poisoned(fn, *args, **kwargs):
-    """Run fn with torch.empty filled with NaN and the combine buffers poisoned."""
+    """Run fn with torch.empty filled with NaN (the caller poisons the pushed regions)."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
