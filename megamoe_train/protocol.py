@@ -99,7 +99,7 @@ def _publish(buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tenso
     return torch.where(out_of_range.any(), STATUS_BAD, STATUS_OK).to(torch.int32)
 
 
-def _exchange_status(executor, buf: SymmBuffer, verdict: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Verdict and call epoch into every peer's status word, then the call's first barrier.
     Returns (status [R, 4] of this call, the call epoch)."""
     call = buf.session.next_call()
@@ -107,7 +107,8 @@ def _exchange_status(executor, buf: SymmBuffer, verdict: torch.Tensor) -> tuple[
     word = torch.zeros(4, dtype=torch.int32, device=buf.device)
     word[0] = verdict
     word[1].fill_(call)  # a fill, not a host-to-device copy: capturable
-    executor.post_status(buf, parity, word)
+    for peer in range(buf.world_size):
+        buf.regions(peer).status[parity, buf.rank].copy_(word)
     buf.barrier()
     return buf.regions().status[parity].clone(), call
 
@@ -152,7 +153,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         _raise_deferred(buf)
 
     # 1-2. Publish, exchange verdicts (the first barrier).
-    status, call = _exchange_status(executor, buf, _publish(buf, x, topk_idx, topk_weights, problem))
+    status, call = _exchange_status(buf, _publish(buf, x, topk_idx, topk_weights, problem))
     if sync:  # every rank reads the verdicts now and raises at the same point
         host_status = status.cpu()
         if problem is not None:
@@ -175,7 +176,8 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         (shared_pre_act,) = _run_shared(buf, shared_row, x, shared[0], shared[1])
 
     # 3. Plan from every source's ids (a rejected call routes nothing).
-    ids = torch.where(all_ok, executor.gather_ids(buf), -1)
+    ids = torch.stack([buf.regions(s).topk_idx for s in range(R)])
+    ids = torch.where(all_ok, ids, -1)
     plan = build_plan(ids, me, E_l, executor.row_align(cfg))
     if recv_stats is not None:
         recv_stats += plan.expert_counts.to(recv_stats.device)

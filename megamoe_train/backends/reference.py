@@ -69,15 +69,6 @@ class ReferenceExecutor:
 
     # --------------------------------------------------------------------- row movement
 
-    def post_status(self, buf: SymmBuffer, parity: int, word: torch.Tensor):
-        """This rank's status word into every peer's status[parity, this rank]."""
-        for peer in range(buf.world_size):
-            buf.regions(peer).status[parity, buf.rank].copy_(word)
-
-    def gather_ids(self, buf: SymmBuffer) -> torch.Tensor:
-        """Every source's published ids, int32 [R, T, K]."""
-        return torch.stack([buf.regions(s).topk_idx for s in range(buf.world_size)])
-
     def _pull_expand(self, buf: SymmBuffer, field: str, plan: Plan) -> torch.Tensor:
         """Each received (source, token) row of region `field` read once from the source's
         buffer and written into the pool row of every slot it has here; padding rows are 0."""

@@ -103,14 +103,6 @@ class TritonExecutor:
         K_.pull_expand(buf.peer_base_ptrs, region, pool, plan)
         return pool
 
-    def post_status(self, buf: SymmBuffer, parity: int, word: torch.Tensor):
-        region = buf.layout.regions["status"]
-        byte_offset = region.offset + (parity * buf.world_size + buf.rank) * region.row_bytes
-        K_.post_to_peers(buf.peer_base_ptrs, byte_offset, word, buf.world_size)
-
-    def gather_ids(self, buf: SymmBuffer) -> torch.Tensor:
-        return K_.gather_peers(buf.peer_base_ptrs, buf.layout.regions["topk_idx"], buf.world_size)
-
     def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> PoolInputs:
         cfg, recipe = buf.config, buf.config.precision
         x = self._pull(buf, "x", plan, recipe.act_storage_dtype(cfg.dtype))

@@ -137,40 +137,6 @@ def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, s
     )
 
 
-@triton.jit
-def _gather_peers_kernel(peer_bases, region_offset, out, numel, BLOCK: tl.constexpr):
-    """out[r, :numel] = the int32 region of rank r (program axis 1 = rank)."""
-    r = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < numel
-    src = (tl.load(peer_bases + r) + region_offset).to(tl.pointer_type(tl.int32))
-    tl.store(out + r.to(tl.int64) * numel + offs, tl.load(src + offs, mask=m), mask=m)
-
-
-def gather_peers(peer_bases, region, num_ranks: int) -> torch.Tensor:
-    """Every rank's copy of a small int32 region, [R, *region.shape], by SM loads (a copy-engine
-    peer copy per rank costs ~0.1 ms of latency each)."""
-    assert region.dtype == torch.int32
-    numel = region.nbytes // 4
-    out = torch.empty(num_ranks, *region.shape, dtype=torch.int32, device=peer_bases.device)
-    block = 1024
-    _gather_peers_kernel[(triton.cdiv(numel, block), num_ranks)](peer_bases, region.offset, out, numel, BLOCK=block, num_warps=4)
-    return out
-
-
-@triton.jit
-def _post_to_peers_kernel(peer_bases, byte_offset, word, WIDTH: tl.constexpr):
-    """word (int32 [WIDTH]) stored at byte_offset of every rank's buffer (program = rank)."""
-    i = tl.arange(0, WIDTH)
-    dst = (tl.load(peer_bases + tl.program_id(0)) + byte_offset).to(tl.pointer_type(tl.int32))
-    tl.store(dst + i, tl.load(word + i))
-
-
-def post_to_peers(peer_bases, byte_offset: int, word: torch.Tensor, num_ranks: int):
-    assert word.dtype == torch.int32 and word.dim() == 1 and word.numel() & (word.numel() - 1) == 0
-    _post_to_peers_kernel[(num_ranks,)](peer_bases, byte_offset, word, WIDTH=word.numel(), num_warps=1)
-
-
 # ----------------------------------------------------------------------------- SwiGLU
 
 
