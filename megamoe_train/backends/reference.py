@@ -69,6 +69,14 @@ class ReferenceExecutor:
 
     # --------------------------------------------------------------------- row movement
 
+    def _read_rows(self, buf: SymmBuffer, src: int, field: str, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows `tokens` of region `field` in rank src's buffer (every read of a peer goes here)."""
+        return getattr(buf.regions(src), field)[tokens]
+
+    def _write_partials(self, buf: SymmBuffer, home: int, tokens: torch.Tensor, rows: torch.Tensor):
+        """This rank's partial rows for `tokens` into the home rank's buffer (every row push goes here)."""
+        buf.regions(home).partials[buf.rank, tokens] = rows
+
     def _pull_expand(self, buf: SymmBuffer, field: str, plan: Plan) -> torch.Tensor:
         """Each received (source, token) row of region `field` read once from the source's
         buffer and written into the pool row of every slot it has here; padding rows are 0."""
@@ -79,7 +87,7 @@ class ReferenceExecutor:
             u = (recv_src == src).nonzero().squeeze(1)
             if not u.numel():
                 continue
-            fetched = getattr(buf.regions(src), field)[recv_token[u]]  # one read per (source, token)
+            fetched = self._read_rows(buf, src, field, recv_token[u])  # one read per (source, token)
             for k in range(recv_rows.shape[1]):
                 dest = recv_rows[u, k]
                 here = dest >= 0
@@ -113,7 +121,7 @@ class ReferenceExecutor:
             if not u.numel():
                 continue
             home = buf.regions(src)
-            home.partials[buf.rank, recv_token[u]] = partial[u]
+            self._write_partials(buf, src, recv_token[u], partial[u])
             if row_scalars is not None:
                 for k in range(recv_rows.shape[1]):
                     dest = recv_rows[u, k]
