@@ -1,5 +1,5 @@
 """Where a training step's GPU time goes: torch.profiler over `run.profile_steps` steps from
-`run.profile_at` (CUDA only), summarized per rank.
+`run.profile_at`, summarized per rank.
 
 The summary (also in RUN/summary.json, and RUN/profile/trace_rankR.json for a trace viewer):
 - wall_s: host wall time of the profiled steps (synchronized at both ends);
@@ -150,22 +150,25 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
         else:
             memcpy_us += e["dur"]
     busy_us = _union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    moe_ranges = sum(len(rs) for rs in ranges.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {
         "wall_s": wall_s,
         "busy_s": busy_us / 1e6,
-        "busy_fraction": busy_us / 1e6 / wall_s if wall_s > 0 else None,
+        "busy_fraction": busy_us / 1e6 / wall_s if gpu and wall_s > 0 else None,
         "kernel_s": kernel_us / 1e6,
         "memcpy_s": memcpy_us / 1e6,
         "moe_kernel_s": moe_us / 1e6,
         "moe_share": moe_us / kernel_us if kernel_us else None,
         "kernels": sum(1 for e in gpu if e["cat"] == "kernel"),
+        "moe_ranges": moe_ranges,
         "top_kernels": [{"name": n[:120], "s": us / 1e6} for n, us in top],
     }
 
 
 class StepProfiler:
-    """Profiles steps profile_at .. profile_at + profile_steps - 1 of a CUDA run."""
+    """Profiles steps profile_at .. profile_at + profile_steps - 1 (on CPU only host activity:
+    no GPU numbers, but the same ranges and summary fields)."""
 
     def __init__(self, recipe, run_dir: str, model, rank: int):
         self.first = recipe.run.profile_at
@@ -174,20 +177,28 @@ class StepProfiler:
         self.dir = os.path.join(run_dir, "profile")
         self.prof = self.ranges = None
         self.summary = None
+        self.cuda = torch.cuda.is_available() and recipe.parallel.device != "cpu"
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def before_step(self, step: int):
         if step != self.first:
             return
-        torch.cuda.synchronize()
+        self._sync()
         self.ranges = _MoERanges(self.model)
-        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=activities)
         self.prof.__enter__()
         self.start = time.perf_counter()
 
     def after_step(self, step: int):
         if step != self.last or self.prof is None:
             return
-        torch.cuda.synchronize()
+        self._sync()
         wall = time.perf_counter() - self.start
         self.prof.__exit__(None, None, None)
         self.ranges.remove()

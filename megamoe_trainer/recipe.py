@@ -38,7 +38,7 @@ class RunSection:
     checkpoint: bool = True  # false: never write checkpoints (benchmarks, smoke runs)
     resume: Union[bool, Literal["auto"]] = "auto"  # auto: continue if the run dir has a checkpoint
     peak_tflops: float = 787.0  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
-    profile_at: Optional[int] = None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/ (CUDA)
+    profile_at: Optional[int] = None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
     profile_steps: int = 3
 
 

@@ -182,7 +182,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     last = min(steps, recipe.train.stop_at or steps)  # this invocation's final step
     if start_step >= last:
         say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} (train.steps={steps}, train.stop_at={recipe.train.stop_at})")
-    profiler = StepProfiler(recipe, run_dir, model, rank) if device == "cuda" and recipe.run.profile_at else None
+    profiler = StepProfiler(recipe, run_dir, model, rank) if recipe.run.profile_at else None
 
     def fetch(first_sample: int) -> dict:
         batch = corpus.batch(range(first_sample, first_sample + mbs))
