@@ -12,7 +12,8 @@ Without TE or Apex, megatron-core 0.19.2 falls back to per-tensor Python paths
 `install()` replaces the three fallbacks (module globals of those two megatron modules, only where
 megatron fell back to the local ones) by torch's `_foreach_*` kernels, and provides the
 "scale by a device tensor" op, so megatron's own `get_grad_norm_fp32` keeps the norm on the device
-and clips with a device-side coefficient: no host sync in norm or clip. `use_fused_adam(optimizer)`
+and clips with a device-side coefficient; and it makes `ChainedOptimizer.get_grad_norm` combine
+the dense and expert optimizers' norms on the device: no host sync in norm or clip. `use_fused_adam(optimizer)`
 switches megatron's torch AdamW param groups to `fused=True` (one fused kernel per chunk of
 tensors); megatron's OptimizerConfig has no switch for it. Both are process-global / per-optimizer
 and idempotent. Numerics: the same fp32 formulas (norm of norms, grad * min(1, clip/(norm+1e-6)),
@@ -55,6 +56,23 @@ def _applier(op, noop_flag_buffer, tensor_lists, *args):
     return op(2048 * 32, noop_flag_buffer, tensor_lists, *args)
 
 
+def _chained_grad_norm(self):
+    """ChainedOptimizer.get_grad_norm without a host sync: megatron 0.19.2 combines the norms of
+    optimizers with different grad-stats groups (dense and expert) by `if norm` and math.sqrt,
+    which read a device norm back to the host; the same sqrt of the sum of squares, on the device."""
+    if len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
+        return _original_chained_grad_norm(self)
+    norms = [opt.get_grad_norm() for opt in self.chained_optimizers]
+    device = next((n.device for n in norms if isinstance(n, torch.Tensor)), None)
+    if device is None:
+        return _original_chained_grad_norm(self)
+    parts = [n.reshape(()).float() if isinstance(n, torch.Tensor) else torch.full((), float(n or 0.0), device=device) for n in norms]
+    return torch.stack(parts).square().sum().sqrt()
+
+
+_original_chained_grad_norm = None
+
+
 def installed() -> bool:
     return _installed
 
@@ -77,6 +95,9 @@ def install() -> bool:
     if mcore_optimizer.multi_tensor_scale_impl is mcore_utils.local_multi_tensor_scale:
         mcore_optimizer.multi_tensor_applier = _applier
         mcore_optimizer.multi_tensor_scale_impl = _scale
+    global _original_chained_grad_norm
+    _original_chained_grad_norm = mcore_optimizer.ChainedOptimizer.get_grad_norm
+    mcore_optimizer.ChainedOptimizer.get_grad_norm = _chained_grad_norm
     _installed = True
     return True
 
