@@ -96,7 +96,7 @@ def build_model(recipe, device: str):
     if t.fused_optimizer:
         install_fused_multi_tensor_ops()
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=t.use_distributed_optimizer,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce, use_distributed_optimizer=t.use_distributed_optimizer,
     )
     model = DistributedDataParallel(cfg, ddp_cfg, model)
     cfg.finalize_model_grads_func = finalize_model_grads

@@ -105,6 +105,7 @@ class TrainSection:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
     fused_optimizer: bool = True  # foreach grad norm / clip and fused AdamW where megatron has no TE / Apex kernels
+    overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
 
 
 @dataclass

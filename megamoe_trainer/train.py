@@ -7,6 +7,7 @@ Trains the model of `megamoe_trainer.model` (Adam, linear warmup + cosine decay)
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -83,58 +84,92 @@ def _gather_expert_load(model, dev: torch.device, stock: StockRouterLoad | None 
 
 
 class PendingStep:
-    """One step's statistics on their way to the host: device tensors copied into pinned memory
-    without a sync, read one step later (when the GPU has long finished them), so the host never
+    """One step's numbers on their way to the host: device tensors copied into pinned memory
+    without a sync and read one step later, when the GPU has long finished them, so the host never
     waits for the GPU inside the loop. Step time = GPU time between the ends of consecutive steps
     (CUDA events), which counts idle gaps too; on CPU, host wall time."""
 
-    def __init__(self, step: int, lr: float, values: torch.Tensor, load: torch.Tensor | None, start_event, prev_end, host_start: float):
-        self.step, self.lr, self.prev_end, self.start_event, self.host_start = step, lr, prev_end, start_event, host_start
+    def __init__(self, step: int, lr: float, consumed: int, values: torch.Tensor, load: torch.Tensor | None,
+                 start_event, prev_end, host_start: float):
+        self.step, self.lr, self.consumed = step, lr, consumed
+        self.start_event, self.prev_end = start_event, prev_end
         cuda = values.is_cuda
         self.values = values.to("cpu", non_blocking=True) if cuda else values
         self.load = None if load is None else (load.to("cpu", non_blocking=True) if cuda else load)
+        self.end_event = None
         if cuda:
             self.end_event = torch.cuda.Event(enable_timing=True)
             self.end_event.record()
         else:
-            self.end_event = None
             self.host_seconds = time.perf_counter() - host_start
 
     def seconds(self) -> float:
+        """The step's time (waits for its end on the GPU: call one step later)."""
         if self.end_event is None:
             return self.host_seconds
         self.end_event.synchronize()
         return (self.prev_end or self.start_event).elapsed_time(self.end_event) / 1e3
 
 
-def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
-    """Entry of every rank (torch.distributed is initialized by the launcher)."""
-    from megatron_patch import cpu_compat
-
-    from . import checkpoint as ckpt
-    from .data import build_corpus
-    from .flops import mfu, train_flops_per_token
-    from .fused_optimizer import use_fused_adam
-    from .model import build_model, count_params
-    from .profiling import StepProfiler
-    from .recipe import _build
-    from .report import MetricsLog, plot_progress
-
-    recipe: Recipe = _build(Recipe, recipe_dict, "")
-    device = "cuda" if torch.cuda.is_available() and recipe.parallel.device != "cpu" else "cpu"
-    if device == "cpu":
-        cpu_compat.apply()
+def _init_parallel(recipe: Recipe, device: str):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if device == "cpu":
+        from megatron_patch import cpu_compat
+
+        cpu_compat.apply()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=recipe.parallel.tensor_parallel,
         expert_model_parallel_size=recipe.parallel.expert_parallel,
     )
-    seed = recipe.run.seed
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(recipe.run.seed)
+    model_parallel_cuda_manual_seed(recipe.run.seed)
 
+
+def _describe(recipe: Recipe, world: int, device: str, model, dev: torch.device, built_s: float) -> str:
+    """The run's first line (collective: counts the experts of every rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from .flops import train_flops_per_token
+    from .model import count_params
+
+    total, expert = count_params(model)
+    expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
+    dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
+    dense_params = total - expert  # replicated on every rank (TP 1)
+    expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
+    m, moe, p = recipe.model, recipe.moe, recipe.parallel
+    moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
+    shared = f", shared {moe.shared_expert_ffn_hidden_size}" if moe.shared_expert_ffn_hidden_size else ""
+    return (f"[megamoe-train] {world} ranks on {device} | EP {p.expert_parallel}, TP {p.tensor_parallel}, "
+            f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
+            f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
+            f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
+            f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}) | "
+            f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
+            f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
+            f"attention {m.attention} | data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
+
+
+def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
+    """Entry of every rank (torch.distributed is initialized by the launcher)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from . import checkpoint as ckpt
+    from .data import build_corpus
+    from .flops import mfu
+    from .fused_optimizer import use_fused_adam
+    from .model import build_model
+    from .profiling import StepProfiler
+    from .recipe import _build
+    from .report import ProgressReport
+
+    recipe: Recipe = _build(Recipe, recipe_dict, "")
+    device = "cuda" if torch.cuda.is_available() and recipe.parallel.device != "cpu" else "cpu"
+    _init_parallel(recipe, device)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     is_main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
@@ -142,23 +177,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     model, optimizer, cfg = build_model(recipe, device)
     corpus = build_corpus(recipe, run_dir)
     stock_load = StockRouterLoad(model) if recipe.moe.megamoe_recipe is None else None
-    total, expert = count_params(model)
-    expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
-    dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
-    dense_params = total - expert  # replicated on every rank (TP 1)
-    expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
-    m, moe = recipe.model, recipe.moe
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
-    say(f"[megamoe-train] {world} ranks on {device} | EP {recipe.parallel.expert_parallel}, TP {recipe.parallel.tensor_parallel}, "
-        f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
-        f"top-{moe.topk} (I={moe.ffn_hidden_size}{', shared ' + str(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else ''}) | "
-        f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
-        f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}) | "
-        f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
-        f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
-        f"data: {recipe.data.path or 'synthetic'} | built in {time.perf_counter() - t0:.1f} s")
+    say(_describe(recipe, world, device, model, dev, time.perf_counter() - t0))
 
     start_step, consumed = 0, 0
     latest = ckpt.latest_checkpoint(run_dir) if resume else None
@@ -168,20 +187,15 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
         start_step, consumed = state["step"], state["consumed_samples"]
         say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), start_step if latest else None) if is_main else None
-    plot_path = os.path.join(run_dir, "progress.png")
-    title = f"{os.path.basename(run_dir)}: {moe.num_experts} experts top-{moe.topk}, MegaMoE {moe.megamoe_recipe}"
-
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
-    dp = recipe.data_parallel_size
     mbs, gbs = recipe.train.micro_batch_size, recipe.global_batch_size
     steps = recipe.train.steps
     last = min(steps, recipe.train.stop_at or steps)  # this invocation's final step
     if start_step >= last:
         say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} (train.steps={steps}, train.stop_at={recipe.train.stop_at})")
+    report = ProgressReport(recipe, run_dir, start_step if latest else None, start_step + 1, last) if is_main else None
     profiler = StepProfiler(recipe, run_dir, model, rank) if recipe.run.profile_at else None
 
     def fetch(first_sample: int) -> dict:
@@ -191,57 +205,15 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         return batch
 
     pending: list[PendingStep] = []
-    window: list[float] = []  # losses since the last progress line
     totals = {"tokens": 0, "seconds": 0.0}
 
-    def finish(p: PendingStep):
-        """Turn a step's statistics into its metrics record and progress line (rank 0)."""
+    def finish_oldest():
+        p = pending.pop(0)
         step_time = p.seconds()
         totals["tokens"] += recipe.tokens_per_step
         totals["seconds"] += step_time
-        if not is_main:
-            return
-        loss_sum, ok_count, grad_norm = p.values.tolist()
-        tokens_per_s = recipe.tokens_per_step / step_time
-        record = {
-            "step": p.step,
-            "loss": loss_sum / dp,
-            "lr": p.lr,
-            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu(recipe, tokens_per_s),
-            "step_time_s": step_time,
-            "skipped": ok_count < dp,
-            "consumed_samples": p.consumed,
-        }
-        if p.load is not None:
-            load = p.load
-            per_expert = load.sum(0).double()
-            mean = per_expert.mean().item()
-            layer_imb = (load.double().max(1).values / load.double().mean(1).clamp(min=1e-9))
-            record["load_imbalance"] = per_expert.max().item() / mean if mean > 0 else None
-            record["load_imbalance_worst_layer"] = layer_imb.max().item()
-            record["expert_load"] = load.tolist()
-        metrics.append(record)
-        window.append(record["loss"])
-        if p.step % recipe.run.log_every == 0 or p.step == start_step + 1 or p.step == last:
-            imb = record.get("load_imbalance")
-            gn = record["grad_norm"]
-            avg = f" (mean of {len(window)}: {sum(window) / len(window):.4f})" if len(window) > 1 else ""
-            window.clear()
-            print(
-                f"step {p.step:5d}/{steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | MFU {100 * record['mfu']:.1f}% | "
-                f"load max/mean {imb if imb is None else format(imb, '.2f')}"
-                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'} | "
-                f"lr {p.lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
-                flush=True,
-            )
-        if recipe.run.plot_every and p.step % recipe.run.plot_every == 0:
-            plot_progress(metrics.records, plot_path, title)
-
-    def drain():
-        while pending:
-            finish(pending.pop(0))
+        if report is not None:
+            report.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load)
 
     run_start = time.perf_counter()
     last_ckpt_step = start_step
@@ -270,51 +242,50 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         if step < last:  # the next batch is made while the GPU works through this step
             batch = fetch(consumed + dp_rank * mbs)
 
-        # (torch.full, not torch.tensor: a host value copied to the GPU would synchronize)
+        # loss, success, grad norm as one device tensor (torch.full: a host value sent to the GPU
+        # with torch.tensor would synchronize)
         if not isinstance(grad_norm, torch.Tensor):
             grad_norm = torch.full((), float("nan") if grad_norm is None else float(grad_norm), device=loss.device)
         values = torch.stack([loss.detach().float(), torch.full((), float(ok), device=loss.device),
                               grad_norm.detach().float().reshape(())])
-        dist.all_reduce(values[:2], group=dp_group)  # loss sum and success count over data parallel ranks
+        dist.all_reduce(values[:2], group=dp_group)  # loss sum and success count over data-parallel ranks
         load = _gather_expert_load(model, dev, stock_load)
-        p = PendingStep(step, lr, values, load, start_event, prev_end, host_start)
-        p.consumed = consumed
-        prev_end = p.end_event
-        pending.append(p)
+        pending.append(PendingStep(step, lr, consumed, values, load, start_event, prev_end, host_start))
+        prev_end = pending[-1].end_event
         if profiler is not None:
             profiler.after_step(step)
-        while len(pending) > 1:  # read the previous step's numbers, by now long computed
-            finish(pending.pop(0))
+        while len(pending) > 1:  # the previous step's numbers, by now long computed
+            finish_oldest()
         if recipe.run.checkpoint and recipe.run.save_every and step % recipe.run.save_every == 0 and step != last:
-            drain()
+            while pending:
+                finish_oldest()
             ckpt.save_checkpoint(run_dir, step, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
             last_ckpt_step = step
-            prev_end = None  # the checkpoint's time is not a step's
+            prev_end = None  # the checkpoint's time is no step's
             say(f"[megamoe-train] checkpoint step {step} saved")
-    drain()
+    while pending:
+        finish_oldest()
 
     if recipe.run.checkpoint and last > last_ckpt_step:
         path = ckpt.save_checkpoint(run_dir, last, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
         say(f"[megamoe-train] checkpoint saved: {path}")
-    summary = _summary(recipe, device, totals, profiler, run_dir)
-    if is_main and metrics.records:
-        plot_progress(metrics.records, plot_path, title)
-        first_loss, last_loss = metrics.records[0]["loss"], metrics.records[-1]["loss"]
+    summary = _summary(device, totals, profiler, run_dir)
+    if report is not None and report.metrics.records:
+        report.plot()
+        records = report.metrics.records
         wall = time.perf_counter() - run_start
-        tps = totals["tokens"] / max(totals["seconds"], 1e-9)
+        tps = summary["tokens_per_s"]
         print(f"[megamoe-train] {'done' if last == steps else 'stopped (train.stop_at)'}: steps {start_step + 1}..{last} in {wall:.1f} s "
-              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps) | loss {first_loss:.4f} (step {metrics.records[0]['step']}) -> "
-              f"{last_loss:.4f} (step {metrics.records[-1]['step']}) | metrics {metrics.path} | plot {plot_path}", flush=True)
-        if summary.get("peak_memory_gib"):
+              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+              f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {report.metrics.path} | plot {report.plot_path}", flush=True)
+        if summary["peak_memory_gib"]:
             print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
     dist.barrier()
 
 
-def _summary(recipe: Recipe, device: str, totals: dict, profiler, run_dir: str) -> dict:
-    """RUN/summary.json (rank 0): peak memory of every GPU and the profile of every rank.
-    Collective."""
-    import json
-
+def _summary(device: str, totals: dict, profiler, run_dir: str) -> dict:
+    """RUN/summary.json (written by rank 0): tokens/s over this invocation's steps, peak memory of
+    every GPU, the step profile of every rank. Collective."""
     local = {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
              "profile": profiler.summary if profiler is not None else None}
     parts = [None] * dist.get_world_size()
