@@ -74,6 +74,9 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["moe.megamoe_recipe=fp8", "model.hidden_size=96", "model.num_attention_heads=4"], "model.hidden_size"),
         (["moe.megamoe_backend=warp9"], "moe.megamoe_backend"),  # rejected by the adapter's config check
         (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
+        (["model.attention=flash"], "model.attention"),
+        (["run.peak_tflops=0"], "run.peak_tflops"),
+        (["train.steps=10", "run.profile_at=9"], "run.profile_at"),  # steps 9..11 do not fit
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
