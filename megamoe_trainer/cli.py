@@ -59,6 +59,7 @@ def quiet():
     # context" on every RNG fork on CPU (there the "CUDA" RNG state is the CPU one, by design)
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megamoe-train",

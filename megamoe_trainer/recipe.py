@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .flops import H200_BF16_PEAK_TFLOPS
+
 MEGAMOE_RECIPES = ("bf16", "fp8", "mxfp8_mxfp4")
 
 
@@ -37,7 +39,7 @@ class RunSection:
     save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
     checkpoint: bool = True  # false: never write checkpoints (benchmarks, smoke runs)
     resume: Union[bool, Literal["auto"]] = "auto"  # auto: continue if the run dir has a checkpoint
-    peak_tflops: float = 787.0  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
+    peak_tflops: float = H200_BF16_PEAK_TFLOPS  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
     profile_at: Optional[int] = None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
     profile_steps: int = 3
 
