@@ -14,7 +14,7 @@ ext_modules = [
 ]
 
 setup(
-    packages=find_packages(include=["megamoe_train*", "megatron_patch*"]),
+    packages=find_packages(include=["megamoe_train*", "megatron_patch*", "megamoe_trainer*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
 )

@@ -19,7 +19,7 @@ status=0
 for recipe in "$@"; do
   name=$(basename "$recipe" .yaml)
   start=$(date +%s)
-  timeout "${SMOKE_TIMEOUT:-300}" "$python" -m megamoe_train.train_cli "$recipe" --steps "$steps" --no-resume \
+  timeout "${SMOKE_TIMEOUT:-300}" "$python" -m megamoe_trainer "$recipe" --steps "$steps" --no-resume \
     --set run.log_every=1 --set run.plot_every=0 --set run.checkpoint=false --run-dir "runs/smoke/$name" \
     > "$results/$name.log" 2>&1
   rc=$?

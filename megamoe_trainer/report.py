@@ -1,8 +1,10 @@
-"""Run outputs of `megamoe-train` (rank 0 only): the metrics log and the progress plot."""
+"""Run outputs of `megamoe-train` (rank 0 only): the metrics log, the progress line and the
+progress plot."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 
@@ -31,6 +33,63 @@ class MetricsLog:
         self.records.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+class ProgressReport:
+    """Turns each step's numbers into its metrics.jsonl record, the progress line (every
+    run.log_every steps, and the first and last step of the invocation) and progress.png."""
+
+    def __init__(self, recipe, run_dir: str, resume_step: int | None, first_step: int, last_step: int):
+        from .flops import mfu
+
+        self.recipe, self.first_step, self.last_step, self.mfu = recipe, first_step, last_step, mfu
+        self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), resume_step)
+        self.plot_path = os.path.join(run_dir, "progress.png")
+        moe = recipe.moe
+        self.title = f"{os.path.basename(run_dir)}: {moe.num_experts} experts top-{moe.topk}, MegaMoE {moe.megamoe_recipe}"
+        self.window: list[float] = []  # losses since the last progress line
+
+    def step(self, step: int, lr: float, loss_sum: float, ok_count: float, grad_norm: float, step_time: float,
+             consumed: int, load=None):
+        """loss_sum / ok_count: summed over data-parallel ranks; load: [MoE layers, experts] rows or None."""
+        recipe, dp = self.recipe, self.recipe.data_parallel_size
+        tokens_per_s = recipe.tokens_per_step / step_time
+        record = {
+            "step": step,
+            "loss": loss_sum / dp,
+            "lr": lr,
+            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.mfu(recipe, tokens_per_s),
+            "step_time_s": step_time,
+            "skipped": ok_count < dp,
+            "consumed_samples": consumed,
+        }
+        if load is not None:
+            per_expert = load.sum(0).double()
+            mean = per_expert.mean().item()
+            layer_imb = load.double().max(1).values / load.double().mean(1).clamp(min=1e-9)
+            record["load_imbalance"] = per_expert.max().item() / mean if mean > 0 else None
+            record["load_imbalance_worst_layer"] = layer_imb.max().item()
+            record["expert_load"] = load.tolist()
+        self.metrics.append(record)
+        self.window.append(record["loss"])
+        if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
+            imb, gn = record.get("load_imbalance"), record["grad_norm"]
+            avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
+            self.window.clear()
+            print(
+                f"step {step:5d}/{recipe.train.steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | "
+                f"MFU {100 * record['mfu']:.1f}% | load max/mean {imb if imb is None else format(imb, '.2f')}"
+                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'} | "
+                f"lr {lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
+                flush=True,
+            )
+        if recipe.run.plot_every and step % recipe.run.plot_every == 0:
+            self.plot()
+
+    def plot(self):
+        plot_progress(self.metrics.records, self.plot_path, self.title)
 
 
 _WARNED = False

@@ -159,10 +159,10 @@ def write_synthetic_indexed(prefix: str, num_documents: int = 20000, vocab_size:
 
 
 def main(argv=None):
-    """python -m megatron_patch.data PREFIX [--documents N] [--vocab-size V] [--seed S]"""
+    """python -m megamoe_trainer.data PREFIX [--documents N] [--vocab-size V] [--seed S]"""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m megatron_patch.data",
+    p = argparse.ArgumentParser(prog="python -m megamoe_trainer.data",
                                 description="Write the synthetic corpus as a Megatron indexed dataset (PREFIX.bin / PREFIX.idx).")
     p.add_argument("prefix")
     p.add_argument("--documents", type=int, default=20000)

@@ -1,4 +1,5 @@
-"""`megamoe-train RECIPE.yaml`: train a Megatron-core GPT with MegaMoE layers from a recipe.
+"""`megamoe-train RECIPE.yaml` (also `python -m megamoe_trainer RECIPE.yaml`): train a
+Megatron-core GPT with MegaMoE layers from a recipe.
 
 The recipe is read and checked before any rank starts; a bad one exits with status 2 and a
 one-line message naming the key. Then the CLI starts the ranks itself: on CPU, gloo processes
@@ -6,13 +7,19 @@ one-line message naming the key. Then the CLI starts the ranks itself: on CPU, g
 WORLD_SIZE / MASTER_ADDR set) it runs as that one rank instead.
 
 Outputs in the run dir: recipe.yaml (as run), metrics.jsonl, progress.png, checkpoints/.
+
+This module imports megatron-core only inside functions, after `quiet()`: megatron-core warns
+at import time when Transformer Engine / Apex / absl are absent (CPU machines), in this process
+and in every rank it starts. MEGAMOE_VERBOSE=1 keeps the chatter.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 
 import yaml
 
@@ -20,6 +27,37 @@ from .recipe import Recipe, RecipeError, check_environment, load_recipe
 
 EXIT_BAD_RECIPE = 2
 EXIT_RANK_FAILED = 1
+
+# Prefixes of messages megatron-core warns with at import time when TE / Apex / absl are absent.
+_QUIET = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "absl.logging is not installed",
+    "MimoModelConfig is experimental",
+    "full scope is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    # torch.distributed.checkpoint, as megatron-core's dist_checkpointing drives it
+    "torch.distributed is disabled",
+    "The argument order of load has been changed",
+    "Please use DTensor instead",
+)
+
+
+def quiet():
+    """Silence megatron-core's import-time and per-step chatter (call before importing megatron)."""
+    if os.environ.get("MEGAMOE_VERBOSE") == "1":
+        return
+    for prefix in _QUIET:
+        warnings.filterwarnings("ignore", message=prefix)
+    # child processes (ranks, checkpoint writers) read this at start-up
+    extra = ",".join(f"ignore:{p}" for p in _QUIET)
+    current = os.environ.get("PYTHONWARNINGS")
+    if not current or extra not in current:
+        os.environ["PYTHONWARNINGS"] = f"{current},{extra}" if current else extra
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # megatron-core's own loggers: deprecation notices, and "CPU RNG state changed within GPU RNG
+    # context" on every RNG fork on CPU (there the "CUDA" RNG state is the CPU one, by design)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +107,8 @@ def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: b
 
 
 def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
-    """One spawned rank (started through megamoe_train.train_cli.spawn_entry)."""
+    """torch.multiprocessing.spawn target: one rank (imports megatron only after quiet())."""
+    quiet()
     import torch
 
     from megamoe_train.launch import init_rank
@@ -83,7 +122,6 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
     import torch.multiprocessing as mp
 
     from megamoe_train.launch import free_port
-    from megamoe_train.train_cli import spawn_entry
 
     world = recipe.parallel.world_size
     backend = "nccl" if device == "cuda" else "gloo"
@@ -101,7 +139,7 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
         _rank_main(rank, world, recipe_dict, run_dir, resume)
         return 0
     try:
-        mp.spawn(spawn_entry, args=(world, free_port(), backend, recipe_dict, run_dir, resume), nprocs=world, join=True)
+        mp.spawn(rank_entry, args=(world, free_port(), backend, recipe_dict, run_dir, resume), nprocs=world, join=True)
     except mp.ProcessRaisedException as e:
         text = str(e).rstrip()
         print(text, file=sys.stderr)
@@ -115,8 +153,6 @@ def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megamoe_train.train_cli import quiet
-
     quiet()
     args = _parser().parse_args(argv)
     overrides = list(args.overrides)

@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .flops import H200_BF16_PEAK_TFLOPS
+
 MEGAMOE_RECIPES = ("bf16", "fp8", "mxfp8_mxfp4")
 
 
@@ -37,6 +39,9 @@ class RunSection:
     save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
     checkpoint: bool = True  # false: never write checkpoints (benchmarks, smoke runs)
     resume: Union[bool, Literal["auto"]] = "auto"  # auto: continue if the run dir has a checkpoint
+    peak_tflops: float = H200_BF16_PEAK_TFLOPS  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
+    profile_at: Optional[int] = None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
+    profile_steps: int = 3
 
 
 @dataclass
@@ -64,6 +69,7 @@ class ModelSection:
     rotary_base: int = 10000
     dtype: Literal["fp32", "bf16"] = "bf16"  # parameter / activation dtype (master weights fp32 in bf16)
     init_std: float = 0.02
+    attention: Literal["sdpa", "megatron"] = "sdpa"  # core attention: torch SDPA (fused) or Megatron's local DotProductAttention
 
 
 @dataclass
@@ -100,6 +106,8 @@ class TrainSection:
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    fused_optimizer: bool = True  # foreach grad norm / clip and fused AdamW where megatron has no TE / Apex kernels
+    overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
 
 
 @dataclass
@@ -295,6 +303,7 @@ def validate(recipe: Recipe) -> Recipe:
         "moe.num_experts", "moe.topk", "moe.ffn_hidden_size", "moe.shared_expert_ffn_hidden_size",
         "moe.max_tokens_per_rank", "moe.router_num_groups", "moe.router_group_topk",
         "train.steps", "train.stop_at", "train.micro_batch_size", "train.lr", "run.log_every",
+        "run.peak_tflops", "run.profile_at", "run.profile_steps",
     )
     for dotted, value in (("run.plot_every", r.plot_every), ("run.save_every", r.save_every),
                           ("train.warmup_steps", t.warmup_steps), ("train.min_lr", t.min_lr),
@@ -304,6 +313,8 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError(dotted, f"must be >= 0, got {value!r}")
     if not r.dir:
         raise RecipeError("run.dir", "must not be empty")
+    if r.profile_at is not None and r.profile_at + r.profile_steps - 1 > t.steps:
+        raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit in train.steps={t.steps}")
     if t.min_lr > t.lr:
         raise RecipeError("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
     for dotted, value in (("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)):
@@ -423,7 +434,7 @@ def validate_with_megatron(recipe: Recipe):
     adapter's checks run before any rank starts; their errors are reported under the recipe key."""
     import re
 
-    from .train import transformer_config
+    from .model import transformer_config
 
     try:
         transformer_config(recipe)

@@ -10,12 +10,11 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megamoe_train.train_cli import quiet  # noqa: E402
+from megamoe_trainer.cli import main as cli_main, quiet  # noqa: E402
 
 quiet()
 
-from megatron_patch.cli import main as cli_main  # noqa: E402
-from megatron_patch.recipe import RecipeError, load_recipe  # noqa: E402
+from megamoe_trainer.recipe import RecipeError, load_recipe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
@@ -75,6 +74,9 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["moe.megamoe_recipe=fp8", "model.hidden_size=96", "model.num_attention_heads=4"], "model.hidden_size"),
         (["moe.megamoe_backend=warp9"], "moe.megamoe_backend"),  # rejected by the adapter's config check
         (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
+        (["model.attention=flash"], "model.attention"),
+        (["run.peak_tflops=0"], "run.peak_tflops"),
+        (["train.steps=10", "run.profile_at=9"], "run.profile_at"),  # steps 9..11 do not fit
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
@@ -107,7 +109,7 @@ def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
 
 def _run_cli(args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "megamoe_train.train_cli", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -171,7 +173,7 @@ def test_train_checkpoint_resume(tmp_path):
 
 
 def test_synthetic_corpus_is_deterministic():
-    from megatron_patch.data import SyntheticCorpus
+    from megamoe_trainer.data import SyntheticCorpus
 
     a = SyntheticCorpus(256, 64, seed=7).batch(range(10, 14))
     b = SyntheticCorpus(256, 64, seed=7).batch(range(10, 14))
@@ -183,7 +185,7 @@ def test_synthetic_corpus_is_deterministic():
 
 
 def test_indexed_dataset_source(tmp_path):
-    from megatron_patch.data import IndexedCorpus, write_synthetic_indexed
+    from megamoe_trainer.data import IndexedCorpus, write_synthetic_indexed
 
     prefix = write_synthetic_indexed(str(tmp_path / "corpus" / "synth"), num_documents=500, vocab_size=256)
     recipe = load_recipe(TINY, [f"data.path={prefix}", f"run.dir={tmp_path / 'run'}"])

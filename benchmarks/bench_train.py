@@ -1,0 +1,158 @@
+"""Training throughput of one recipe, end to end: MegaMoE bf16, MegaMoE fp8 and Megatron's stock
+MoE layer (alltoall dispatcher + SequentialMLP), same recipe, seed and data, in one run.
+
+    python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock]
+        [--profile-steps 3] [--out DIR] [--set SECTION.KEY=VALUE ...]
+
+Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Reported per variant:
+- tokens/s: median of the per-step global tokens/s after the warm-up steps, profiled steps excluded;
+- MFU at that rate (FLOPs-per-token formula in docs/trainer.md, peak = recipe run.peak_tflops);
+- GPU busy: union of kernel/copy intervals over wall time of `--profile-steps` steps under the torch
+  profiler (rank 0; CUDA only), and the MoE layers' share of kernel time;
+- peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
+- loss agreement with the stock variant: max relative difference of the per-step losses, and the
+  relative difference of the mean of the last 20 losses.
+Prints a markdown table and writes DIR/bench_train.json. Runs on CPU too (then no profile / memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+VARIANTS = {"bf16": "bf16", "fp8": "fp8", "stock": None}  # name -> moe.megamoe_recipe
+
+
+def _records(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_variant(recipe_path: str, name: str, steps: int, out: str, overrides: list[str], profile_at: int | None,
+                profile_steps: int) -> dict:
+    from megamoe_trainer.cli import main as train
+
+    run_dir = os.path.join(out, name)
+    args = [recipe_path, "--steps", str(steps), "--no-resume", "--run-dir", run_dir,
+            "--set", f"moe.megamoe_recipe={'null' if VARIANTS[name] is None else VARIANTS[name]}",
+            "--set", "run.checkpoint=false", "--set", "run.plot_every=0", "--set", f"run.log_every={max(1, steps // 10)}",
+            "--set", f"train.steps={steps}"]
+    if profile_at is not None:
+        args += ["--set", f"run.profile_at={profile_at}", "--set", f"run.profile_steps={profile_steps}"]
+    for o in overrides:
+        args += ["--set", o]
+    start = time.perf_counter()
+    code = train(args)
+    if code != 0:
+        return {"variant": name, "error": f"megamoe-train exited with {code}"}
+    records = _records(run_dir)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return {"variant": name, "records": records, "summary": summary, "wall_s": time.perf_counter() - start}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | None) -> dict:
+    if "error" in result:
+        return result
+    recs = result["records"]
+    timed = [r for r in recs if r["step"] > warmup and r["step"] not in profiled] or recs
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    mfu = statistics.median(r["mfu"] for r in timed)
+    prof = (result["summary"].get("profile") or [None])[0]
+    row = {
+        "variant": result["variant"],
+        "steps": len(recs),
+        "tokens_per_s": tps,
+        "mfu": mfu,
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "gpu_busy_fraction": prof and prof["busy_fraction"],
+        "moe_share_of_kernel_time": prof and prof["moe_share"],
+        "profile_rank0": prof,
+        "peak_memory_gib": result["summary"].get("peak_memory_gib"),
+        "losses": [r["loss"] for r in recs],
+        "wall_s": result["wall_s"],
+    }
+    if reference is not None and "error" not in reference:
+        ref = [r["loss"] for r in reference["records"]]
+        mine = row["losses"]
+        n = min(len(ref), len(mine))
+        tail = min(20, n)
+        row["loss_max_rel_diff_vs_stock"] = max(_rel(a, b) for a, b in zip(mine[:n], ref[:n]))
+        row["loss_last20_mean_rel_diff_vs_stock"] = _rel(sum(mine[n - tail:n]) / tail, sum(ref[n - tail:n]) / tail)
+    return row
+
+
+def _fmt(x, spec, scale=1.0, none="n/a"):
+    return none if x is None else format(x * scale, spec)
+
+
+def markdown(rows: list[dict], recipe: str, steps: int) -> str:
+    lines = [f"`{os.path.basename(recipe)}`, {steps} steps per variant", "",
+             "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peak mem per GPU (GiB) | "
+             "loss max rel diff vs stock | last-20 mean loss | its rel diff vs stock |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | |")
+            continue
+        tail = r["losses"][-20:]
+        mem = r["peak_memory_gib"]
+        lines.append(
+            f"| {r['variant']} | {r['tokens_per_s']:.0f} | {_fmt(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} | "
+            f"{_fmt(r['gpu_busy_fraction'], '.0%')} | {_fmt(r['moe_share_of_kernel_time'], '.0%')} | "
+            f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
+            f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--variants", default="bf16,fp8,stock", help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of tokens/s (default: min(5, steps // 4))")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps under the torch profiler (CUDA; 0 = none)")
+    p.add_argument("--out", default="runs/bench_train")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = p.parse_args(argv)
+    from megamoe_trainer.cli import quiet
+
+    quiet()
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    warmup = min(5, args.steps // 4) if args.warmup is None else args.warmup
+    profile_at = None
+    if args.profile_steps > 0 and args.steps >= warmup + args.profile_steps + 1:
+        profile_at = max(warmup + 1, args.steps - args.profile_steps - 2)
+    profiled = set(range(profile_at, profile_at + args.profile_steps)) if profile_at else set()
+    os.makedirs(args.out, exist_ok=True)
+
+    results = {n: run_variant(args.recipe, n, args.steps, args.out, args.overrides, profile_at, args.profile_steps) for n in names}
+    reference = results.get("stock")
+    rows = [analyze(results[n], warmup, profiled, reference if n != "stock" else None) for n in names]
+    table = markdown(rows, args.recipe, args.steps)
+    print(table, flush=True)
+    out = {"recipe": args.recipe, "steps": args.steps, "warmup": warmup, "profiled_steps": sorted(profiled),
+           "overrides": args.overrides, "rows": rows, "table": table}
+    with open(os.path.join(args.out, "bench_train.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"[bench_train] wrote {os.path.join(args.out, 'bench_train.json')}", flush=True)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

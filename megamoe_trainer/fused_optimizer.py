@@ -1,0 +1,132 @@
+"""Multi-tensor gradient norm, clipping and Adam for megatron-core without Transformer Engine / Apex.
+
+Without TE or Apex, megatron-core 0.19.2 falls back to per-tensor Python paths
+(`megatron.core.utils.local_multi_tensor_*`, used by `optimizer/clip_grads.py` and
+`optimizer/optimizer.py`):
+- grad norm: one `torch.norm` per gradient, then `torch.tensor(list of CUDA scalars)`, which
+  reads every norm back to the host (one sync per tensor), then `float(...)` once more;
+- clipping: `dst.copy_(src * scale)` per gradient (two launches each), the scale a host float;
+- main -> model params after Adam: the same per-tensor copy;
+- Adam: `torch.optim.AdamW` with its default (foreach) implementation.
+
+`install()` replaces the three fallbacks (module globals of those two megatron modules, only where
+megatron fell back to the local ones) by torch's `_foreach_*` kernels, and provides the
+"scale by a device tensor" op, so megatron's own `get_grad_norm_fp32` keeps the norm on the device
+and clips with a device-side coefficient; and it makes `ChainedOptimizer.get_grad_norm` combine
+the dense and expert optimizers' norms on the device: no host sync in norm or clip. `use_fused_adam(optimizer)`
+switches megatron's torch AdamW param groups to `fused=True` (one fused kernel per chunk of
+tensors); megatron's OptimizerConfig has no switch for it. Both are process-global / per-optimizer
+and idempotent. Numerics: the same fp32 formulas (norm of norms, grad * min(1, clip/(norm+1e-6)),
+AdamW), in fused kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["install", "installed", "use_fused_adam"]
+
+_installed = False
+
+
+def _l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for amp_C.multi_tensor_l2norm: (total norm as a [1] fp32 device tensor, None)."""
+    tensors = tensor_lists[0]
+    norms = torch._foreach_norm(tensors)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if len(norms) else torch.zeros(())
+    return total.reshape(1), None
+
+
+def _scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for amp_C.multi_tensor_scale: dst = src * scale (dtype cast on copy)."""
+    src, dst = tensor_lists
+    if not dst:
+        return
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(())  # megatron passes a [1] tensor; foreach ops take a 0-dim one
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+        return
+    torch._foreach_copy_(dst, src)
+    if not (isinstance(scale, (int, float)) and scale == 1.0):
+        torch._foreach_mul_(dst, scale)
+
+
+def _applier(op, noop_flag_buffer, tensor_lists, *args):
+    return op(2048 * 32, noop_flag_buffer, tensor_lists, *args)
+
+
+def _chained_grad_norm(self):
+    """ChainedOptimizer.get_grad_norm without a host sync: megatron 0.19.2 combines the norms of
+    optimizers with different grad-stats groups (dense and expert) by `if norm` and math.sqrt,
+    which read a device norm back to the host; the same sqrt of the sum of squares, on the device."""
+    if len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
+        return _original_chained_grad_norm(self)
+    norms = [opt.get_grad_norm() for opt in self.chained_optimizers]
+    device = next((n.device for n in norms if isinstance(n, torch.Tensor)), None)
+    if device is None:
+        return _original_chained_grad_norm(self)
+    parts = [n.reshape(()).float() if isinstance(n, torch.Tensor) else torch.full((), float(n or 0.0), device=device) for n in norms]
+    return torch.stack(parts).square().sum().sqrt()
+
+
+_original_chained_grad_norm = None
+
+
+def installed() -> bool:
+    return _installed
+
+
+def install() -> bool:
+    """Swap megatron's local multi-tensor fallbacks for foreach kernels; False if megatron uses
+    TE / Apex kernels already (then nothing changes)."""
+    global _installed
+    if _installed:
+        return True
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
+
+    if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
+        return False
+    clip_grads.multi_tensor_applier = _applier
+    clip_grads.l2_norm_impl = _l2norm
+    clip_grads.multi_tensor_scale_impl = _scale
+    clip_grads.multi_tensor_scale_tensor_impl = _scale  # makes get_grad_norm_fp32 keep the norm on the device
+    if mcore_optimizer.multi_tensor_scale_impl is mcore_utils.local_multi_tensor_scale:
+        mcore_optimizer.multi_tensor_applier = _applier
+        mcore_optimizer.multi_tensor_scale_impl = _scale
+    global _original_chained_grad_norm
+    _original_chained_grad_norm = mcore_optimizer.ChainedOptimizer.get_grad_norm
+    mcore_optimizer.ChainedOptimizer.get_grad_norm = _chained_grad_norm
+    _installed = True
+    return True
+
+
+def _torch_optimizers(optimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            yield inner
+
+
+def use_fused_adam(optimizer) -> int:
+    """Set fused=True on every torch Adam/AdamW param group under a megatron optimizer (call
+    after building it and after loading a checkpoint, whose param groups may say otherwise).
+    Moves existing `step` counters to the parameter's device, as fused Adam keeps them.
+    Returns the number of param groups switched."""
+    switched = 0
+    for opt in _torch_optimizers(optimizer):
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in opt.param_groups:
+            params = [p for p in group["params"]]
+            if not params or any(not p.is_floating_point() for p in params):
+                continue
+            group["fused"] = True
+            group["foreach"] = False
+            for p in params:
+                state = opt.state.get(p)
+                if state and "step" in state and state["step"].device != p.device:
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            switched += 1
+    return switched

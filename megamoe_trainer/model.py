@@ -1,0 +1,135 @@
+"""The model `megamoe-train` trains: megatron-core GPTModel whose MoE layers come from the MegaMoE
+adapter spec, in DistributedDataParallel, with megatron-core's optimizer.
+
+`transformer_config(recipe)` is also built by the recipe validator, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .fused_optimizer import install as install_fused_multi_tensor_ops
+from .fused_optimizer import use_fused_adam
+
+
+def transformer_config(recipe):
+    """The run's MegaMoETransformerConfig (also built by the validator, before any rank starts)."""
+    from megatron_patch import MegaMoETransformerConfig
+
+    m, moe, p = recipe.model, recipe.moe, recipe.parallel
+    bf16 = m.dtype == "bf16"
+    return MegaMoETransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        qk_layernorm=m.qk_layernorm,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.normalization,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=False,  # init through Megatron's RNG tracker: experts differ per EP rank
+        tensor_model_parallel_size=p.tensor_parallel,
+        expert_model_parallel_size=p.expert_parallel,
+        sequence_parallel=False,
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+        moe_layer_freq=m.moe_layer_freq,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_score_function=moe.router_score_function,
+        moe_router_pre_softmax=moe.router_pre_softmax,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
+        moe_router_num_groups=moe.router_num_groups,
+        moe_router_group_topk=moe.router_group_topk,
+        moe_router_enable_expert_bias=moe.router_expert_bias,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_router_load_balancing_type=moe.load_balancing,
+        moe_aux_loss_coeff=moe.aux_loss_coeff if moe.load_balancing != "none" else 0.0,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_megamoe_recipe=moe.megamoe_recipe,
+        moe_megamoe_backend=moe.megamoe_backend,
+        moe_megamoe_max_tokens_per_rank=recipe.max_tokens_per_rank,
+    )
+
+
+def build_model(recipe, device: str):
+    """GPTModel (MegaMoE spec) -> [Float16Module] -> DDP, and its Megatron optimizer."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = transformer_config(recipe)
+    spec = layer_spec(recipe, cfg)
+    m = recipe.model
+    gpt = GPTModel(
+        cfg, spec, vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+        position_embedding_type=m.position_embedding, rotary_base=m.rotary_base,
+        share_embeddings_and_output_weights=False,
+    )
+    if device == "cuda":
+        gpt.cuda(torch.cuda.current_device())
+    # Replicated (non-expert) weights must start equal on every data-parallel rank; DDP does not
+    # broadcast them, so copy them from the first rank of the data-parallel group.
+    dp_group = parallel_state.get_data_parallel_group()
+    src = dist.get_global_rank(dp_group, 0)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if getattr(p, "allreduce", True):
+                dist.broadcast(p.data, src=src, group=dp_group)
+    model = Float16Module(cfg, gpt) if cfg.bf16 else gpt
+    t = recipe.train
+    if t.fused_optimizer:
+        install_fused_multi_tensor_ops()
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce, use_distributed_optimizer=t.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(cfg, ddp_cfg, model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=cfg.bf16, fp16=False,
+        use_distributed_optimizer=t.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [model])
+    if t.fused_optimizer:
+        use_fused_adam(optimizer)
+    return model, optimizer, cfg
+
+
+def layer_spec(recipe, cfg):
+    """The MegaMoE adapter's GPT block spec (Megatron's local spec, MoE layers swapped when
+    moe.megamoe_recipe is set), with SDPA core attention unless model.attention is 'megatron'."""
+    from megatron_patch import get_megamoe_gpt_decoder_block_spec
+
+    spec = get_megamoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    if recipe.model.attention == "sdpa":
+        from .attention import use_sdpa_core_attention
+
+        spec = use_sdpa_core_attention(spec)
+    return spec
+
+
+def count_params(model) -> tuple[int, int]:
+    total = expert = 0
+    for p in model.parameters():
+        total += p.numel()
+        if not getattr(p, "allreduce", True):
+            expert += p.numel()
+    return total, expert
+
+

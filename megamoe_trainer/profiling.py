@@ -1,0 +1,211 @@
+"""Where a training step's GPU time goes: torch.profiler over `run.profile_steps` steps from
+`run.profile_at`, summarized per rank.
+
+The summary (also in RUN/summary.json, and RUN/profile/trace_rankR.json for a trace viewer):
+- wall_s: host wall time of the profiled steps (synchronized at both ends);
+- busy_s: union of the GPU's kernel / memcpy / memset intervals over all streams (time the GPU
+  does anything), and busy_fraction = busy_s / wall_s;
+- kernel_s: sum of kernel durations (overlapping streams counted twice), memcpy_s likewise;
+- moe_kernel_s / moe_share: kernels launched inside an MoE layer's forward or backward (ranges
+  opened by hooks on every megatron MoELayer, MegaMoE and stock alike), over kernel_s;
+- top_kernels: the 15 largest kernel names by total time.
+Profiler overhead lengthens the profiled steps somewhat; tokens/s comes from the unprofiled steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+MOE_FORWARD, MOE_BACKWARD = "megamoe_trainer/moe_forward", "megamoe_trainer/moe_backward"
+
+
+class _Range:
+    """A profiler range opened in one autograd callback and closed in another."""
+
+    def __init__(self, name: str):
+        self.name, self.handle = name, None
+
+    def open(self):
+        self.handle = torch.autograd.profiler.record_function(self.name)
+        self.handle.__enter__()
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.__exit__(None, None, None)
+            self.handle = None
+
+
+class _OpenOnBackward(torch.autograd.Function):
+    """Identity on the layer's output: its backward runs first of the layer's backward."""
+
+    @staticmethod
+    def forward(ctx, x, rng):
+        ctx.rng = rng
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.rng.open()
+        return grad, None
+
+
+class _CloseOnBackward(torch.autograd.Function):
+    """Identity on the layer's input: its backward runs when the layer's input gradient is complete."""
+
+    @staticmethod
+    def forward(ctx, x, rng):
+        ctx.rng = rng
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.rng.close()
+        return grad, None
+
+
+class _MoERanges:
+    """Forward / backward profiler ranges around every MoELayer (hooks; removed by remove())."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.handles = []
+        for module in model.modules():
+            if isinstance(module, MoELayer):
+                self.handles.append(module.register_forward_pre_hook(self._pre))
+                self.handles.append(module.register_forward_hook(self._post))
+
+    @staticmethod
+    def _pre(module, args):
+        module._profile_fwd = _Range(MOE_FORWARD)
+        module._profile_fwd.open()
+        module._profile_bwd = _Range(MOE_BACKWARD)
+        x = args[0]
+        if torch.is_grad_enabled() and x.requires_grad:
+            return (_CloseOnBackward.apply(x, module._profile_bwd), *args[1:])
+        return None
+
+    @staticmethod
+    def _post(module, args, output):
+        module._profile_fwd.close()
+        if torch.is_grad_enabled() and isinstance(output, tuple) and output[0].requires_grad:
+            return (_OpenOnBackward.apply(output[0], module._profile_bwd), *output[1:])
+        return None
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize_trace(trace: dict, wall_s: float) -> dict:
+    """The summary above from a chrome trace (torch.profiler export) of the profiled steps."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (e.get("tid"), e["ts"])
+    ranges = defaultdict(list)  # tid -> sorted (start, end) of MoE ranges
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name") in (MOE_FORWARD, MOE_BACKWARD):
+            ranges[e.get("tid")].append((e["ts"], e["ts"] + e["dur"]))
+    starts = {}
+    for tid, rs in ranges.items():
+        rs.sort()
+        starts[tid] = [a for a, _ in rs]
+
+    def in_moe(kernel) -> bool:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None or launch[0] not in ranges:
+            return False
+        tid, ts = launch
+        i = bisect.bisect_right(starts[tid], ts) - 1
+        return i >= 0 and ranges[tid][i][0] <= ts <= ranges[tid][i][1]
+
+    kernel_us = memcpy_us = moe_us = 0.0
+    by_name = defaultdict(float)
+    for e in gpu:
+        if e["cat"] == "kernel":
+            kernel_us += e["dur"]
+            by_name[e["name"]] += e["dur"]
+            if in_moe(e):
+                moe_us += e["dur"]
+        else:
+            memcpy_us += e["dur"]
+    busy_us = _union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    moe_ranges = sum(len(rs) for rs in ranges.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "wall_s": wall_s,
+        "busy_s": busy_us / 1e6,
+        "busy_fraction": busy_us / 1e6 / wall_s if gpu and wall_s > 0 else None,
+        "kernel_s": kernel_us / 1e6,
+        "memcpy_s": memcpy_us / 1e6,
+        "moe_kernel_s": moe_us / 1e6,
+        "moe_share": moe_us / kernel_us if kernel_us else None,
+        "kernels": sum(1 for e in gpu if e["cat"] == "kernel"),
+        "moe_ranges": moe_ranges,
+        "top_kernels": [{"name": n[:120], "s": us / 1e6} for n, us in top],
+    }
+
+
+class StepProfiler:
+    """Profiles steps profile_at .. profile_at + profile_steps - 1 (on CPU only host activity:
+    no GPU numbers, but the same ranges and summary fields)."""
+
+    def __init__(self, recipe, run_dir: str, model, rank: int):
+        self.first = recipe.run.profile_at
+        self.last = self.first + recipe.run.profile_steps - 1
+        self.model, self.rank = model, rank
+        self.dir = os.path.join(run_dir, "profile")
+        self.prof = self.ranges = None
+        self.summary = None
+        self.cuda = torch.cuda.is_available() and recipe.parallel.device != "cpu"
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def before_step(self, step: int):
+        if step != self.first:
+            return
+        self._sync()
+        self.ranges = _MoERanges(self.model)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=activities)
+        self.prof.__enter__()
+        self.start = time.perf_counter()
+
+    def after_step(self, step: int):
+        if step != self.last or self.prof is None:
+            return
+        self._sync()
+        wall = time.perf_counter() - self.start
+        self.prof.__exit__(None, None, None)
+        self.ranges.remove()
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, f"trace_rank{self.rank}.json")
+        self.prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        self.summary = {"steps": [self.first, self.last], **summarize_trace(trace, wall)}
+        self.prof = None

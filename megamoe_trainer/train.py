@@ -1,0 +1,301 @@
+"""The per-rank training loop of `megamoe-train` (started by `megamoe_trainer.cli`).
+
+Trains the model of `megamoe_trainer.model` (Adam, linear warmup + cosine decay), calls
+`finalize_model_grads` every step, logs progress on rank 0, and checkpoints with
+`megatron.core.dist_checkpointing`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .recipe import Recipe
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """LR for optimizer step `step` (1-based): linear warmup, then cosine from lr to min_lr."""
+    t = recipe.train
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _set_lr(optimizer, lr: float):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+class StockRouterLoad:
+    """Per-expert routed rows of Megatron's stock MoE layers (recipes with moe.megamoe_recipe: null),
+    counted from each router's routing map; MegaMoE layers count their own (get_expert_load)."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.counts = [None] * len(self.routers)
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(module, inputs, output):
+            if module.training:
+                rows = output[1].sum(0).to(torch.int64)  # routing_map [T, E] -> rows per global expert
+                self.counts[i] = rows if self.counts[i] is None else self.counts[i] + rows
+
+        return hook
+
+    def gather(self) -> torch.Tensor | None:
+        """[layers, E] over the whole job (every rank's tokens), on the device, and reset."""
+        if not self.routers or any(c is None for c in self.counts):
+            return None
+        load = torch.stack(self.counts)
+        self.counts = [None] * len(self.routers)
+        dist.all_reduce(load)
+        return load
+
+
+def _gather_expert_load(model, dev: torch.device, stock: StockRouterLoad | None = None) -> torch.Tensor | None:
+    """[num_moe_layers, E] rows each expert received this step, over the whole job, on the device
+    (collectives enqueued, no host sync)."""
+    from megatron.core import parallel_state
+
+    from megatron_patch import get_expert_load
+
+    local = get_expert_load(model, reset=True)
+    if local is None or local.numel() == 0:
+        return stock.gather() if stock is not None else None
+    local = local.to(device=dev, dtype=torch.int64)
+    # replicas of the same experts (expert data parallel) saw different tokens: sum them
+    if parallel_state.get_expert_data_parallel_world_size() > 1:
+        dist.all_reduce(local, group=parallel_state.get_expert_data_parallel_group())
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, local, group=ep_group)
+    return torch.cat(parts, dim=1)  # EP ranks hold contiguous expert ranges, in rank order
+
+
+class PendingStep:
+    """One step's numbers on their way to the host: device tensors copied into pinned memory
+    without a sync and read one step later, when the GPU has long finished them, so the host never
+    waits for the GPU inside the loop. Step time = GPU time between the ends of consecutive steps
+    (CUDA events), which counts idle gaps too; on CPU, host wall time."""
+
+    def __init__(self, step: int, lr: float, consumed: int, values: torch.Tensor, load: torch.Tensor | None,
+                 start_event, prev_end, host_start: float):
+        self.step, self.lr, self.consumed = step, lr, consumed
+        self.start_event, self.prev_end = start_event, prev_end
+        cuda = values.is_cuda
+        self.values = values.to("cpu", non_blocking=True) if cuda else values
+        self.load = None if load is None else (load.to("cpu", non_blocking=True) if cuda else load)
+        self.end_event = None
+        if cuda:
+            self.end_event = torch.cuda.Event(enable_timing=True)
+            self.end_event.record()
+        else:
+            self.host_seconds = time.perf_counter() - host_start
+
+    def seconds(self) -> float:
+        """The step's time (waits for its end on the GPU: call one step later)."""
+        if self.end_event is None:
+            return self.host_seconds
+        self.end_event.synchronize()
+        return (self.prev_end or self.start_event).elapsed_time(self.end_event) / 1e3
+
+
+def _init_parallel(recipe: Recipe, device: str):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if device == "cpu":
+        from megatron_patch import cpu_compat
+
+        cpu_compat.apply()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=recipe.parallel.tensor_parallel,
+        expert_model_parallel_size=recipe.parallel.expert_parallel,
+    )
+    torch.manual_seed(recipe.run.seed)
+    model_parallel_cuda_manual_seed(recipe.run.seed)
+
+
+def _describe(recipe: Recipe, world: int, device: str, model, dev: torch.device, built_s: float) -> str:
+    """The run's first line (collective: counts the experts of every rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from .flops import train_flops_per_token
+    from .model import count_params
+
+    total, expert = count_params(model)
+    expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
+    dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
+    dense_params = total - expert  # replicated on every rank (TP 1)
+    expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
+    m, moe, p = recipe.model, recipe.moe, recipe.parallel
+    moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
+    shared = f", shared {moe.shared_expert_ffn_hidden_size}" if moe.shared_expert_ffn_hidden_size else ""
+    return (f"[megamoe-train] {world} ranks on {device} | EP {p.expert_parallel}, TP {p.tensor_parallel}, "
+            f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
+            f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
+            f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
+            f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}) | "
+            f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
+            f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
+            f"attention {m.attention} | data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
+
+
+def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
+    """Entry of every rank (torch.distributed is initialized by the launcher)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from . import checkpoint as ckpt
+    from .data import build_corpus
+    from .flops import mfu
+    from .fused_optimizer import use_fused_adam
+    from .model import build_model
+    from .profiling import StepProfiler
+    from .recipe import _build
+    from .report import ProgressReport
+
+    recipe: Recipe = _build(Recipe, recipe_dict, "")
+    device = "cuda" if torch.cuda.is_available() and recipe.parallel.device != "cpu" else "cpu"
+    _init_parallel(recipe, device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    is_main = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+    t0 = time.perf_counter()
+    model, optimizer, cfg = build_model(recipe, device)
+    corpus = build_corpus(recipe, run_dir)
+    stock_load = StockRouterLoad(model) if recipe.moe.megamoe_recipe is None else None
+    say(_describe(recipe, world, device, model, dev, time.perf_counter() - t0))
+
+    start_step, consumed = 0, 0
+    latest = ckpt.latest_checkpoint(run_dir) if resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, model, optimizer, device)
+        if recipe.train.fused_optimizer:
+            use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
+        start_step, consumed = state["step"], state["consumed_samples"]
+        say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_group = parallel_state.get_data_parallel_group()
+    mbs, gbs = recipe.train.micro_batch_size, recipe.global_batch_size
+    steps = recipe.train.steps
+    last = min(steps, recipe.train.stop_at or steps)  # this invocation's final step
+    if start_step >= last:
+        say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} (train.steps={steps}, train.stop_at={recipe.train.stop_at})")
+    report = ProgressReport(recipe, run_dir, start_step if latest else None, start_step + 1, last) if is_main else None
+    profiler = StepProfiler(recipe, run_dir, model, rank) if recipe.run.profile_at else None
+
+    def fetch(first_sample: int) -> dict:
+        batch = corpus.batch(range(first_sample, first_sample + mbs))
+        if device == "cuda":
+            return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
+        return batch
+
+    pending: list[PendingStep] = []
+    totals = {"tokens": 0, "seconds": 0.0}
+
+    def finish_oldest():
+        p = pending.pop(0)
+        step_time = p.seconds()
+        totals["tokens"] += recipe.tokens_per_step
+        totals["seconds"] += step_time
+        if report is not None:
+            report.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load)
+
+    run_start = time.perf_counter()
+    last_ckpt_step = start_step
+    prev_end = None
+    model.train()
+    batch = fetch(consumed + dp_rank * mbs) if start_step < last else None
+    for step in range(start_step + 1, last + 1):
+        host_start = time.perf_counter()
+        start_event = None
+        if device == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        if profiler is not None:
+            profiler.before_step(step)
+        lr = lr_at(step, recipe)
+        _set_lr(optimizer, lr)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [B, S]
+        mask = batch["loss_mask"]
+        loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+        loss.backward()
+        finalize_model_grads([model])
+        ok, grad_norm, _ = optimizer.step()
+        consumed += gbs
+        if step < last:  # the next batch is made while the GPU works through this step
+            batch = fetch(consumed + dp_rank * mbs)
+
+        # loss, success, grad norm as one device tensor (torch.full: a host value sent to the GPU
+        # with torch.tensor would synchronize)
+        if not isinstance(grad_norm, torch.Tensor):
+            grad_norm = torch.full((), float("nan") if grad_norm is None else float(grad_norm), device=loss.device)
+        values = torch.stack([loss.detach().float(), torch.full((), float(ok), device=loss.device),
+                              grad_norm.detach().float().reshape(())])
+        dist.all_reduce(values[:2], group=dp_group)  # loss sum and success count over data-parallel ranks
+        load = _gather_expert_load(model, dev, stock_load)
+        pending.append(PendingStep(step, lr, consumed, values, load, start_event, prev_end, host_start))
+        prev_end = pending[-1].end_event
+        if profiler is not None:
+            profiler.after_step(step)
+        while len(pending) > 1:  # the previous step's numbers, by now long computed
+            finish_oldest()
+        if recipe.run.checkpoint and recipe.run.save_every and step % recipe.run.save_every == 0 and step != last:
+            while pending:
+                finish_oldest()
+            ckpt.save_checkpoint(run_dir, step, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
+            last_ckpt_step = step
+            prev_end = None  # the checkpoint's time is no step's
+            say(f"[megamoe-train] checkpoint step {step} saved")
+    while pending:
+        finish_oldest()
+
+    if recipe.run.checkpoint and last > last_ckpt_step:
+        path = ckpt.save_checkpoint(run_dir, last, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
+        say(f"[megamoe-train] checkpoint saved: {path}")
+    summary = _summary(device, totals, profiler, run_dir)
+    if report is not None and report.metrics.records:
+        report.plot()
+        records = report.metrics.records
+        wall = time.perf_counter() - run_start
+        tps = summary["tokens_per_s"]
+        print(f"[megamoe-train] {'done' if last == steps else 'stopped (train.stop_at)'}: steps {start_step + 1}..{last} in {wall:.1f} s "
+              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+              f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {report.metrics.path} | plot {report.plot_path}", flush=True)
+        if summary["peak_memory_gib"]:
+            print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
+    dist.barrier()
+
+
+def _summary(device: str, totals: dict, profiler, run_dir: str) -> dict:
+    """RUN/summary.json (written by rank 0): tokens/s over this invocation's steps, peak memory of
+    every GPU, the step profile of every rank. Collective."""
+    local = {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+             "profile": profiler.summary if profiler is not None else None}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    summary = {
+        "tokens_per_s": totals["tokens"] / max(totals["seconds"], 1e-9),
+        "peak_memory_gib": [p["peak_memory_gib"] for p in parts] if device == "cuda" else None,
+        "profile": [p["profile"] for p in parts] if profiler is not None else None,
+    }
+    if dist.get_rank() == 0:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
