@@ -96,6 +96,24 @@ def pair(overrides, recipe="bf16"):
     return stock, mega
 
 
+def per_expert(named):
+    """{name: tensor} of a MegaMoE model with its stacked expert tensors split into the per-expert
+    names of Megatron's SequentialMLP (`experts.fc1_weight` [E_l, 2I, H] -> `experts.local_experts.{i}.linear_fc1.weight`),
+    so it compares name by name with a stock model's."""
+    out = {}
+    for name, t in named.items():
+        for fc in (1, 2):
+            suffix = f"experts.fc{fc}_weight"
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                for i in range(t.shape[0]):
+                    out[f"{base}experts.local_experts.{i}.linear_fc{fc}.weight"] = t[i]
+                break
+        else:
+            out[name] = t
+    return out
+
+
 def moe_layer_types(m):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -117,9 +135,13 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
     stock, mega = pair(overrides)
     assert moe_layer_types(stock) == ["MoELayer", "MoELayer"], moe_layer_types(stock)
     assert moe_layer_types(mega) == ["MegaMoEMoELayer", "MegaMoEMoELayer"], moe_layer_types(mega)
-    # same parameter names and allreduce flags (DDP buckets, optimizer groups, clip-grad dedup)
-    flags = lambda m: [(n, getattr(p, "allreduce", True), tuple(p.shape)) for n, p in m.named_parameters()]
+    # the same parameters per expert, with the same allreduce flags (expert-DP reduction, optimizer groups)
+    def flags(m):
+        return {e: (getattr(p, "allreduce", True), tuple(t.shape)) for n, p in m.named_parameters() for e, t in per_expert({n: p}).items()}
+
     assert flags(stock) == flags(mega)
+    stacked = [n for n, _ in mega.named_parameters() if n.endswith(("experts.fc1_weight", "experts.fc2_weight"))]
+    assert len(stacked) == 4 and not any("local_experts" in n for n, _ in mega.named_parameters()), stacked
     tokens, pos, labels = batch(rank)
     out = {}
     for name, m in (("stock", stock), ("mega", mega)):
@@ -130,10 +152,10 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
             m = Float16Module(m.config, m)
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        out[name] = (loss.item(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+        out[name] = (loss.item(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
-    errs = {n: rel_err(g2[n], g1[n]) for n in g1}
+    errs = {n: rel_err(g2[n], g1[n]) for n in g1}  # stacked grad[e] vs stock expert e's grad
     worst = max(errs, key=errs.get)
     assert abs(l1 - l2) <= tol * abs(l1), (l1, l2)
     assert errs[worst] < tol, (worst, errs[worst])
@@ -182,8 +204,42 @@ def expert_load(rank, world, overrides=None):
     return load.tolist()
 
 
+def sharded_layout(m):
+    """What a dist checkpoint of model m holds on this rank: for every sharded tensor / object
+    (factories built), its checkpoint key, global shape and offset, fragmentation and replica id."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for v in m.sharded_state_dict().values():
+        for t in v.build() if isinstance(v, ShardedTensorFactory) else [v]:
+            if isinstance(t, ShardedTensor):
+                out.append((t.key, t.global_shape, t.global_offset, t.axis_fragmentations, t.replica_id, tuple(t.local_shape)))
+            elif isinstance(t, ShardedObject):
+                out.append((t.key, t.global_shape, t.global_offset, None, t.replica_id, None))
+    return sorted(out, key=repr)
+
+
+def te_grouped_naming(state_dict):
+    """A SequentialMLP-named state dict renamed the way TEGroupedMLP names its weights
+    (`experts.linear_fc1.weight{i}`; TE is not installed here to build one)."""
+    import re
+
+    out = {}
+    for k, v in state_dict.items():
+        m = re.match(r"(.*experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$", k)
+        if m is None:
+            out[k] = v
+        elif m.group(4) == "weight":
+            out[f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"] = v
+        else:
+            out[f"{m.group(1)}{m.group(3)}._extra_state"] = None
+    return out
+
+
 def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
-    """stock -> MegaMoE and MegaMoE -> stock through megatron.core.dist_checkpointing, bit-exact."""
+    """stock -> MegaMoE and MegaMoE -> stock, bit-exact: through megatron.core.dist_checkpointing
+    (same checkpoint keys, offsets and replica ids per expert) and through the plain state_dict
+    (SequentialMLP keys, and TEGroupedMLP keys)."""
     init(rank, world)
     from megatron.core import dist_checkpointing
 
@@ -191,7 +247,7 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
     mega = model(config("bf16", **overrides), seed=12)
 
     def params(m):
-        return {n: p.detach().clone() for n, p in m.named_parameters()}
+        return per_expert({n: p.detach().clone() for n, p in m.named_parameters()})
 
     def save(m, path):
         if rank == 0:
@@ -204,24 +260,40 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
         sd = dist_checkpointing.load(m.sharded_state_dict(), path)
         m.load_state_dict(sd, strict=True)
 
+    def same(a, b):
+        assert set(a) == set(b), sorted(set(a) ^ set(b))
+        bad = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not bad, bad
+
+    assert sharded_layout(stock) == sharded_layout(mega)
     ref_stock, ref_mega = params(stock), params(mega)
     assert any(not torch.equal(ref_stock[n], ref_mega[n]) for n in ref_stock)  # different inits
     # stock -> MegaMoE
     save(stock, os.path.join(ckpt_dir, "stock"))
     load(mega, os.path.join(ckpt_dir, "stock"))
-    got = params(mega)
-    bad = [n for n in ref_stock if not torch.equal(got[n], ref_stock[n])]
-    assert not bad, bad
+    same(params(mega), ref_stock)
     # MegaMoE (with its own weights) -> stock
     fresh = model(config("bf16", **overrides), seed=13)
     ref_fresh = params(fresh)
     save(fresh, os.path.join(ckpt_dir, "mega"))
     load(stock, os.path.join(ckpt_dir, "mega"))
-    got = params(stock)
-    bad = [n for n in ref_fresh if not torch.equal(got[n], ref_fresh[n])]
-    assert not bad, bad
-    keys = lambda m: sorted(m.sharded_state_dict().keys())
-    assert keys(stock) == keys(fresh)
+    same(params(stock), ref_fresh)
+
+    # plain state_dict: the same keys as stock's, loadable both ways (strict)
+    stock = model(config(None, **overrides), seed=21)
+    mega = model(config("bf16", **overrides), seed=22)
+    assert list(mega.state_dict().keys()) == list(stock.state_dict().keys())
+    ref_stock, ref_mega = params(stock), params(mega)
+    mega.load_state_dict(stock.state_dict(), strict=True)
+    same(params(mega), ref_stock)
+    stock.load_state_dict(model(config("bf16", **overrides), seed=22).state_dict(), strict=True)
+    same(params(stock), ref_mega)
+    # TEGroupedMLP naming into MegaMoE
+    mega = model(config("bf16", **overrides), seed=23)
+    te_sd = te_grouped_naming(model(config(None, **overrides), seed=24).state_dict())
+    assert any(".experts.linear_fc1.weight1" in k for k in te_sd)
+    mega.load_state_dict(te_sd, strict=True)
+    same(params(mega), params(model(config(None, **overrides), seed=24)))
     return len(ref_stock)
 
 
@@ -266,7 +338,7 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
             assert ok
             losses.append(loss.item())
             biases.append([l.mlp.router.expert_bias.detach().clone() for l in m.decoder.layers])
-        results[name] = (losses, biases, counts, {n: p.detach().clone() for n, p in m.named_parameters()})
+        results[name] = (losses, biases, counts, per_expert({n: p.detach().clone() for n, p in m.named_parameters()}))
     (l1, b1, c1, p1), (l2, b2, c2, p2) = results["stock"], results["mega"]
     for s in range(steps):
         assert abs(l1[s] - l2[s]) <= 1e-5 * abs(l1[s]), (s, l1[s], l2[s])
@@ -406,7 +478,7 @@ def quantized_recipe(rank, world, recipe):
     for name, m in (("stock", stock), ("mega", mega)):
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        out[name] = (loss.item(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+        out[name] = (loss.item(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert abs(l1 - l2) < 1e-2 * abs(l1), (l1, l2)
     assert all(torch.isfinite(g).all() for g in g2.values())
