@@ -486,3 +486,114 @@ def quantized_recipe(rank, world, recipe):
     worst = max(errs, key=errs.get)
     assert errs[worst] < {"fp8": 0.2, "mxfp8_mxfp4": 0.5}[recipe], (worst, errs[worst])
     return {"loss": (l1, l2), "worst": (worst, errs[worst])}
+
+
+def _recording_transform():
+    """Wrap megamoe_train.weights._transform (the uncached weight transform); returns (calls, undo)."""
+    import megamoe_train.weights as W
+
+    orig, calls = W._transform, []
+
+    def recording(w1, w2, cfg):
+        out = orig(w1, w2, cfg)
+        calls.append((w1, w2, cfg, out))
+        return out
+
+    W._transform = recording
+    return calls, orig, lambda: setattr(W, "_transform", orig)
+
+
+def weight_transform_once_per_step(rank, world, steps=3, micro_batches=2):
+    """fp8 recipe, bf16 model under Megatron's mixed-precision optimizer (which writes the model
+    params through `.data`), DDP, full activation recompute, 2 micro-batches per step: each layer's
+    expert weights are quantized exactly once per optimizer step (not per micro-batch, not again in
+    the recompute pass), and the quantized weights a step uses are those of the updated parameters."""
+    init(rank, world)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_patch.experts import MegaMoEExperts
+
+    overrides = dict(
+        hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128, bf16=True, params_dtype=torch.bfloat16,
+        moe_router_dtype="fp32", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+    )
+    cfg = config("fp8", **overrides)
+    m = Float16Module(cfg, model(cfg, seed=5))
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True), [ddp])
+    experts = [x for x in ddp.modules() if isinstance(x, MegaMoEExperts)]
+    assert len(experts) == 2
+    calls, transform, undo = _recording_transform()
+    try:
+        previous = None
+        for step in range(steps):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for micro in range(micro_batches):
+                tokens, pos, labels = batch(rank, seed=20 + step * micro_batches + micro)
+                ddp(tokens, pos, None, labels=labels).float().mean().backward()
+            # one transform per layer this step, of that layer's own stacked parameters
+            assert len(calls) == len(experts) * (step + 1), (step, len(calls))
+            used = calls[-len(experts):]
+            assert sorted(c[0].data_ptr() for c in used) == sorted(e.fc1_weight.data_ptr() for e in experts)
+            for w1, w2, mm_cfg, out in used:  # the quantized weights are those of the current parameters
+                fresh = transform(w1.detach(), w2.detach(), mm_cfg)
+                assert out.quantized and out.w1.data_ptr() != w1.data_ptr()  # fp8: a quantized copy
+                assert torch.equal(out.w1.float(), fresh.w1.float()) and torch.equal(out.w1_scales, fresh.w1_scales)
+                assert torch.equal(out.w2.float(), fresh.w2.float()) and torch.equal(out.w2_scales, fresh.w2_scales)
+            if previous is not None:  # and the optimizer did change them
+                assert any(not torch.equal(a.w1.float(), b[3].w1.float()) for a, b in zip(previous, used))
+            previous = [c[3] for c in used]
+            finalize_model_grads([ddp])
+            versions = [e.fc1_weight._version for e in experts]
+            ok, _, _ = opt.step()
+            assert ok
+            assert all(e.fc1_weight._version > v for e, v in zip(experts, versions))  # the step hook's mark
+    finally:
+        undo()
+    return len(calls)
+
+
+def forward_reads_parameters(rank, world):
+    """bf16 recipe: mega_moe gets the stacked parameters themselves, and their transform is the
+    parameter storage (no copy) when the model dtype is the compute dtype (fp32 here, and bf16
+    under Float16Module); no per-forward stack of expert weights."""
+    init(rank, world)
+    from megatron.core.transformer.module import Float16Module
+
+    import megamoe_train.autograd as A
+    from megatron_patch.experts import MegaMoEExperts
+
+    seen = []
+    orig_apply = A.MegaMoEFunction.apply
+
+    def spy(x, topk_idx, topk_weights, w1, w2, *rest):
+        seen.append((w1, w2))
+        return orig_apply(x, topk_idx, topk_weights, w1, w2, *rest)
+
+    calls, _, undo = _recording_transform()
+    A.MegaMoEFunction.apply = spy
+    try:
+        for bf16 in (False, True):
+            kw = dict(bf16=True, params_dtype=torch.bfloat16, moe_router_dtype="fp32") if bf16 else {}
+            cfg = config("bf16", **kw)
+            m = model(cfg, seed=6)
+            if bf16:
+                m = Float16Module(cfg, m)
+            experts = [x for x in m.modules() if isinstance(x, MegaMoEExperts)]
+            seen.clear(), calls.clear()
+            tokens, pos, labels = batch(rank)
+            m(tokens, pos, None, labels=labels).float().mean().backward()
+            assert [(a is e.fc1_weight, b is e.fc2_weight) for (a, b), e in zip(seen, experts)] == [(True, True)] * 2
+            assert len(calls) == 2
+            for (w1, w2, _, out), e in zip(calls, experts):
+                assert out.w1.data_ptr() == e.fc1_weight.data_ptr() and out.w2.data_ptr() == e.fc2_weight.data_ptr()
+                assert out.w1.dtype == (torch.bfloat16 if bf16 else torch.float32)
+            assert all(e.fc1_weight.grad is not None and e.fc1_weight.grad.abs().sum() > 0 for e in experts)
+    finally:
+        A.MegaMoEFunction.apply = orig_apply
+        undo()
+    return True

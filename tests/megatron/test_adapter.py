@@ -85,3 +85,13 @@ def test_megakernel_backend_registration(mcore_pool):
 def test_quantized_recipes_close_to_stock(mcore_pool, recipe):
     res = mcore_pool().run(cases.quantized_recipe, recipe)
     print(recipe, res)
+
+
+def test_fp8_weights_quantized_once_per_step(mcore_pool):
+    """Mixed-precision optimizer (writes through .data), DDP, full recompute, 2 micro-batches."""
+    res = mcore_pool().run(cases.weight_transform_once_per_step)
+    assert res == [6, 6]  # 2 layers x 3 steps
+
+
+def test_bf16_forward_reads_parameter_storage(mcore_pool):
+    assert mcore_pool().run(cases.forward_reads_parameters) == [True, True]
