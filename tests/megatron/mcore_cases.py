@@ -597,3 +597,79 @@ def forward_reads_parameters(rank, world):
         A.MegaMoEFunction.apply = orig_apply
         undo()
     return True
+
+
+def local_hybrid_stack_spec(num_experts):
+    """A HybridModel stack spec of attention ('*') and MoE ('E') layers from megatron-core's
+    local modules: megatron-core's own `hybrid_stack_spec` needs Transformer Engine (TENorm,
+    TE linears and attention) and its Mamba layers need mamba_ssm, neither installed here."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules
+
+    local = get_gpt_layer_local_spec().submodules
+    attention = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add
+        ),
+    )
+    moe = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=local.pre_mlp_layernorm,
+            mlp=get_moe_module_spec(use_te=False, num_experts=num_experts),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attention, moe_layer=moe))
+
+
+def hybrid_equivalence(rank, world, tol=1e-5):
+    """HybridModel (layer pattern '*E*E') with its MoE layers switched through
+    get_megamoe_hybrid_stack_spec: same output and gradients (per expert) as the stock HybridModel,
+    and its checkpoint keys equal stock's. Built with post_process=False: HybridStack's final norm
+    is always TENorm, which needs Transformer Engine; the loss is a fixed random projection of the
+    stack's output (plus the MoE aux losses, through their autograd hooks)."""
+    init(rank, world)
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_patch import get_megamoe_hybrid_stack_spec, get_megamoe_moe_module_spec
+
+    overrides = dict(num_layers=4, moe_shared_expert_intermediate_size=96)
+    models = {}
+    for name, recipe, seed in (("stock", None, 1), ("mega", "bf16", 2)):
+        cfg = config(recipe, **overrides)
+        spec = get_megamoe_hybrid_stack_spec(cfg, local_hybrid_stack_spec(cfg.num_moe_experts))
+        torch.manual_seed(seed)
+        models[name] = HybridModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*E*E",
+                                   position_embedding_type="rope", post_process=False).to(device())
+    stock, mega = models["stock"], models["mega"]
+    assert moe_layer_types(stock) == ["MoELayer"] * 2 and moe_layer_types(mega) == ["MegaMoEMoELayer"] * 2
+    assert sharded_layout(stock) == sharded_layout(mega)
+    mega.load_state_dict(stock.state_dict(), strict=True)
+    tokens, pos, _ = batch(rank)
+    proj = torch.randn(SEQ, BATCH, 64, generator=torch.Generator().manual_seed(7 + rank)).to(device())
+    out = {}
+    for name, m in (("stock", stock), ("mega", mega)):
+        hidden = m(tokens, pos, None)
+        assert hidden.shape == proj.shape, hidden.shape
+        loss = (hidden.float() * proj).mean()
+        loss.backward()
+        out[name] = (hidden.detach().clone(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (h1, g1), (h2, g2) = out["stock"], out["mega"]
+    assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
+    errs = {n: rel_err(g2[n], g1[n]) for n in g1}
+    worst = max(errs, key=errs.get)
+    assert rel_err(h2, h1) <= tol, rel_err(h2, h1)
+    assert errs[worst] < tol, (worst, errs[worst])
+    assert any("router" in n for n in g1) and any("experts.local_experts" in n for n in g1)
+    l1 = rel_err(h2, h1)
+    # the MoE builder alone, as hybrid_layer_specs calls it
+    cfg = config("bf16")
+    assert get_megamoe_moe_module_spec(cfg, use_te=False, num_experts=4).func.__name__ == "MegaMoEMoELayer"
+    assert get_megamoe_moe_module_spec(config(None), use_te=False, num_experts=4).func.__name__ == "MoELayer"
+    return {"out_rel_err": l1, "worst": (worst, errs[worst]), "n_grads": len(g1)}

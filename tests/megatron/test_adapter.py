@@ -95,3 +95,10 @@ def test_fp8_weights_quantized_once_per_step(mcore_pool):
 
 def test_bf16_forward_reads_parameter_storage(mcore_pool):
     assert mcore_pool().run(cases.forward_reads_parameters) == [True, True]
+
+
+def test_hybrid_model_equivalence(mcore_pool):
+    """HybridModel's MoE layers through get_megamoe_hybrid_stack_spec (attention + MoE layers from
+    megatron-core's local modules; its TE / Mamba layers cannot be built without TE / mamba_ssm)."""
+    res = mcore_pool().run(cases.hybrid_equivalence)
+    assert all(r["n_grads"] > 10 for r in res)
