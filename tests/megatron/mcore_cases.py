@@ -633,13 +633,16 @@ def hybrid_equivalence(rank, world, tol=1e-5):
     get_megamoe_hybrid_stack_spec: same output and gradients (per expert) as the stock HybridModel,
     and its checkpoint keys equal stock's. Built with post_process=False: HybridStack's final norm
     is always TENorm, which needs Transformer Engine; the loss is a fixed random projection of the
-    stack's output (plus the MoE aux losses, through their autograd hooks)."""
+    stack's output."""
     init(rank, world)
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron_patch import get_megamoe_hybrid_stack_spec, get_megamoe_moe_module_spec
 
-    overrides = dict(num_layers=4, moe_shared_expert_intermediate_size=96)
+    # no aux / z-loss: Megatron's global aux-loss tracker is sized by the first model's layer
+    # count (2 in the other cases of this process); the GPT cases cover the losses
+    overrides = dict(num_layers=4, moe_shared_expert_intermediate_size=96, moe_router_load_balancing_type="none",
+                     moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
     models = {}
     for name, recipe, seed in (("stock", None, 1), ("mega", "bf16", 2)):
         cfg = config(recipe, **overrides)
