@@ -36,20 +36,21 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.module import MegatronModule
 
+from .config import MegaMoEConfigError
+
 __all__ = ["MegaMoEExperts", "invalidate_expert_weight_caches", "native_expert_weights"]
 
 SEQUENTIAL, TE_GROUPED = "sequential_mlp", "te_grouped_mlp"
 
-# Attributes Megatron's expert weights carry that say how to reduce / shard them. tensor-parallel
-# attributes describe dim `partition_dim` of one expert's 2-D weight: one more on the stack.
+# Attributes of Megatron's expert weights (allreduce, tensor_model_parallel, partition_dim, ...) are
+# copied to the stack, except per-tensor state; partition_dim names a dim of one expert's 2-D
+# weight, so it moves by one on the stack.
 _SKIP_ATTRS = {"main_grad", "grad_added_to_main_grad", "_version"}
 
 
 def native_expert_weights(experts, num_local_experts: int) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
     """(naming, fc1 weights, fc2 weights) of a Megatron expert module (SequentialMLP or
     TEGroupedMLP with per-expert weights)."""
-    from .config import MegaMoEConfigError
-
     local = getattr(experts, "local_experts", None)
     if local is not None:
         return SEQUENTIAL, [e.linear_fc1.weight for e in local], [e.linear_fc2.weight for e in local]

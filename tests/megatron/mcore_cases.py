@@ -676,3 +676,82 @@ def hybrid_equivalence(rank, world, tol=1e-5):
     assert get_megamoe_moe_module_spec(cfg, use_te=False, num_experts=4).func.__name__ == "MegaMoEMoELayer"
     assert get_megamoe_moe_module_spec(config(None), use_te=False, num_experts=4).func.__name__ == "MoELayer"
     return {"out_rel_err": l1, "worst": (worst, errs[worst]), "n_grads": len(g1)}
+
+
+def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
+    """Adam state through dist checkpoints: after one identical step, the MegaMoE model's optimizer
+    sharded state has the stock model's keys and layout (per expert), and a MegaMoE checkpoint of
+    model + optimizer loads into a stock model + optimizer (and back) with equal moments per expert."""
+    init(rank, world)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    def trained(recipe, seed_model):
+        m = model(config(recipe), seed=seed_model)
+        ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
+        return m, ddp, opt
+
+    def step(m, ddp, opt, seed):
+        ddp.zero_grad_buffer(), opt.zero_grad()
+        tokens, pos, labels = batch(rank, seed=seed)
+        ddp(tokens, pos, None, labels=labels).float().mean().backward()
+        finalize_model_grads([ddp])  # data-parallel grads reduced: replicated state equal on every rank
+        assert opt.step()[0]
+
+    def layout(m, opt):
+        out = []
+        for v in nested_values(opt.sharded_state_dict(m.sharded_state_dict())):
+            for t in v.build() if isinstance(v, ShardedTensorFactory) else [v]:
+                if isinstance(t, ShardedTensor):
+                    out.append((t.key, t.global_shape, t.global_offset, t.axis_fragmentations, t.replica_id))
+        return sorted(out, key=repr)
+
+    def moments(m, opt):
+        """{param name (per expert): exp_avg} of a model."""
+        inner = opt.chained_optimizers if hasattr(opt, "chained_optimizers") else [opt]
+        named = {id(p): n for n, p in m.named_parameters()}
+        out = {}
+        for o in inner:
+            for group in o.optimizer.param_groups:
+                for p in group["params"]:
+                    out.update(per_expert({named[id(p)]: o.optimizer.state[p]["exp_avg"].clone()}))
+        return out
+
+    def save(m, opt, path):
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        model_sd = m.sharded_state_dict()
+        dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, path)
+        dist.barrier()
+
+    def load(m, opt, path):  # as megatron_patch/checkpoint.py does
+        model_sd = m.sharded_state_dict()
+        m.load_state_dict(dist_checkpointing.load({"model": model_sd}, path)["model"], strict=True)
+        model_sd = m.sharded_state_dict()
+        opt.load_state_dict(dist_checkpointing.load({"optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, path)["optimizer"])
+
+    stock, s_ddp, s_opt = trained(None, 31)
+    mega, m_ddp, m_opt = trained("bf16", 32)
+    mega.load_state_dict(stock.state_dict(), strict=True)
+    step(stock, s_ddp, s_opt, 40), step(mega, m_ddp, m_opt, 40)
+    assert layout(stock, s_opt) == layout(mega, m_opt)
+    ref_s, ref_m = moments(stock, s_opt), moments(mega, m_opt)
+    assert max(rel_err(ref_m[n], ref_s[n]) for n in ref_s) < 1e-4  # same step, same moments
+    # MegaMoE -> a fresh stock run, and stock -> a fresh MegaMoE run
+    save(mega, m_opt, os.path.join(ckpt_dir, "mega"))
+    save(stock, s_opt, os.path.join(ckpt_dir, "stock"))
+    for recipe, src, ref in ((None, "mega", ref_m), ("bf16", "stock", ref_s)):
+        m, ddp, opt = trained(recipe, 50)
+        step(m, ddp, opt, 41)  # optimizer state exists, and differs
+        load(m, opt, os.path.join(ckpt_dir, src))
+        got = moments(m, opt)
+        assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+        bad = [n for n in ref if not torch.equal(got[n], ref[n])]
+        assert not bad, bad
+    return len(ref_s)

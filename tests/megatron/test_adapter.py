@@ -102,3 +102,8 @@ def test_hybrid_model_equivalence(mcore_pool):
     megatron-core's local modules; its TE / Mamba layers cannot be built without TE / mamba_ssm)."""
     res = mcore_pool().run(cases.hybrid_equivalence)
     assert all(r["n_grads"] > 10 for r in res)
+
+
+def test_optimizer_checkpoint_both_ways(mcore_pool, tmp_path):
+    n = mcore_pool().run(cases.optimizer_checkpoint_both_ways, str(tmp_path))
+    assert n[0] == n[1] > 10

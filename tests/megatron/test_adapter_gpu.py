@@ -57,3 +57,7 @@ def test_bf16_forward_reads_parameter_storage_gpu(mcore_pool):
 
 def test_hybrid_model_equivalence_gpu(mcore_pool):
     mcore_pool("nccl").run(cases.hybrid_equivalence, tol=1e-4)
+
+
+def test_optimizer_checkpoint_both_ways_gpu(mcore_pool, tmp_path):
+    mcore_pool("nccl").run(cases.optimizer_checkpoint_both_ways, str(tmp_path))
