@@ -42,6 +42,8 @@ __all__ = [
     "get_megamoe_gpt_layer_spec",
     "get_megamoe_hybrid_stack_spec",
     "get_megamoe_moe_module_spec",
+    "hybrid_stack_spec_by_config",
+    "moe_layer_by_config",
     "swap_moe_layers",
 ]
 
@@ -103,6 +105,29 @@ def get_megamoe_hybrid_stack_spec(config, stack_spec: Optional[ModuleSpec] = Non
     validate_megamoe(config)
     submodules = stack_spec.submodules
     return dataclasses.replace(stack_spec, submodules=dataclasses.replace(submodules, moe_layer=_swap_layer_spec(submodules.moe_layer)))
+
+
+def moe_layer_by_config(*, config, submodules, **kwargs):
+    """MoE-layer builder that decides when the layer is built: MegaMoEMoELayer if
+    config.moe_megamoe_recipe is set (a plain TransformerConfig gets it from the environment, see
+    ensure_megamoe_fields), Megatron's MoELayer otherwise. What the uncalled hybrid stack spec puts
+    where Megatron's spec has `partial(MoELayer, submodules=...)`."""
+    ensure_megamoe_fields(config)
+    layer = MegaMoEMoELayer if megamoe_enabled(config) else MoELayer
+    return layer(config=config, submodules=submodules, **kwargs)
+
+
+def hybrid_stack_spec_by_config(stack_spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a HybridModel stack spec whose MoE layer is chosen from the config at build time
+    (moe_layer_by_config): usable without a config in hand, e.g. as Megatron-LM's `--spec`."""
+    submodules = stack_spec.submodules
+    moe_layer = submodules.moe_layer
+    mlp = getattr(getattr(moe_layer, "submodules", None), "mlp", None)
+    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
+        raise ValueError(f"stack_spec: its moe_layer's mlp is not partial(MoELayer, ...): {mlp!r}")
+    swapped = functools.partial(moe_layer_by_config, *mlp.args, **mlp.keywords)
+    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=swapped))
+    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(submodules, moe_layer=moe_layer))
 
 
 def _build_block_spec(config, use_transformer_engine: bool = False, **kwargs) -> TransformerBlockSubmodules:

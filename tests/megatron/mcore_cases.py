@@ -671,6 +671,27 @@ def hybrid_equivalence(rank, world, tol=1e-5):
     assert errs[worst] < tol, (worst, errs[worst])
     assert any("router" in n for n in g1) and any("experts.local_experts" in n for n in g1)
     l1 = rel_err(h2, h1)
+    # the uncalled form (Megatron-LM's hybrid `--spec`): the MoE layer is chosen by the config it is built with
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patch.spec import hybrid_stack_spec_by_config
+
+    by_config = hybrid_stack_spec_by_config(local_hybrid_stack_spec(4))
+    build = lambda cfg: HybridModel(cfg, by_config, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*E*E",
+                                    position_embedding_type="rope", post_process=False)
+    assert moe_layer_types(build(config("bf16", **overrides))) == ["MegaMoEMoELayer"] * 2
+    assert moe_layer_types(build(config(None, **overrides))) == ["MoELayer"] * 2
+    plain_kw = {f: getattr(config("bf16", **overrides), f) for f in TransformerConfig.__dataclass_fields__ if f in _CONFIG_KEYS}
+    os.environ["MEGAMOE_RECIPE"] = "none"
+    try:
+        assert moe_layer_types(build(TransformerConfig(**plain_kw))) == ["MoELayer"] * 2
+    finally:
+        del os.environ["MEGAMOE_RECIPE"]
+    plain = TransformerConfig(**plain_kw)
+    assert moe_layer_types(build(plain)) == ["MegaMoEMoELayer"] * 2 and plain.moe_megamoe_recipe == "bf16"
+    spec = import_module(("megatron_patch.hybrid_spec", "megamoe_hybrid_stack_spec"))  # megatron-core's TE stack, swapped
+    assert spec.submodules.moe_layer.submodules.mlp.func.__name__ == "moe_layer_by_config"
     # the MoE builder alone, as hybrid_layer_specs calls it
     cfg = config("bf16")
     assert get_megamoe_moe_module_spec(cfg, use_te=False, num_experts=4).func.__name__ == "MegaMoEMoELayer"
