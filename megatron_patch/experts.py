@@ -126,12 +126,12 @@ class MegaMoEExperts(MegatronModule):
         naming, fc1, fc2 = native_expert_weights(experts, num_local_experts)
         return cls(config, fc1, fc2, naming, ep_group, expt_dp_group)
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 [E_local, 2I, H], w2 [E_local, H, I]) as mega_moe takes them."""
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 [E_local, 2I, H], w2 [E_local, H, I]) as mega_moe takes them. Call the module
+        (`experts()`), not the attributes: module hooks that make parameters ready run first
+        (Megatron DDP's forward pre-hook waits for the parameter all-gather of the distributed
+        optimizer under overlap_param_gather)."""
         return self.fc1_weight, self.fc2_weight
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("MegaMoEExperts holds weights only; MegaMoEMoELayer passes them to mega_moe")
 
     def backward_dw(self):  # MoELayer calls it under delayed wgrad; mega_moe computes wgrad in backward
         pass

@@ -86,7 +86,7 @@ class MegaMoECall:
         cfg = self.megamoe_config(x)
         buffer = get_symm_buffer(self.ep_group, cfg, device=x.device)  # shared by layers of equal shape
         if isinstance(self.experts, MegaMoEExperts):
-            w1, w2 = self.experts.weights()
+            w1, w2 = self.experts()  # through the module: its pre-hooks (param all-gather) run
         else:
             _, fc1, fc2 = native_expert_weights(self.experts, self.num_local_experts)
             w1, w2 = torch.stack(fc1), torch.stack(fc2)

@@ -297,7 +297,7 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
     return len(ref_stock)
 
 
-def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False):
+def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False):
     """Sigmoid router + aux-loss-free expert bias with DDP, finalize_model_grads and the Megatron
     optimizer: the bias (and the router's token counts) evolve exactly as with stock layers.
     Optionally with the distributed optimizer and overlapped grad reduction (DDP's grad hooks must
@@ -320,9 +320,14 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
     for name, m in (("stock", stock), ("mega", mega)):
         cfg = m.config
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer,
+            overlap_param_gather=overlap_param_gather,
         )
         ddp = DistributedDataParallel(cfg, ddp_cfg, m)
+        synced = []  # DDP's param-sync pre-hook must run on the module that owns the stacked weights
+        for x in m.modules():
+            if type(x).__name__ == "MegaMoEExperts":
+                x.register_forward_pre_hook(lambda mod, args: synced.append(mod))
         opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer)
         opt = get_megatron_optimizer(opt_cfg, [ddp])
         losses, biases, counts = [], [], []
@@ -338,6 +343,7 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
             assert ok
             losses.append(loss.item())
             biases.append([l.mlp.router.expert_bias.detach().clone() for l in m.decoder.layers])
+            assert len(synced) == (2 * (step + 1) if name == "mega" else 0), len(synced)
         results[name] = (losses, biases, counts, per_expert({n: p.detach().clone() for n, p in m.named_parameters()}))
     (l1, b1, c1, p1), (l2, b2, c2, p2) = results["stock"], results["mega"]
     for s in range(steps):

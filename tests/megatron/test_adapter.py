@@ -53,10 +53,16 @@ def test_checkpoint_roundtrip_both_ways(mcore_pool, tmp_path):
     assert n[0] == n[1] > 10
 
 
-@pytest.mark.parametrize("ddp", ["plain", "distopt-overlap"])
+DDP_VARIANTS = {
+    "plain": {},
+    "distopt-overlap": dict(distributed_optimizer=True, overlap_grad_reduce=True),
+    "distopt-overlap-param-gather": dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+}
+
+
+@pytest.mark.parametrize("ddp", list(DDP_VARIANTS))
 def test_expert_bias_updates_match_stock(mcore_pool, ddp):
-    kw = dict(distributed_optimizer=True, overlap_grad_reduce=True) if ddp != "plain" else {}
-    res = mcore_pool().run(cases.expert_bias_training, **kw)
+    res = mcore_pool().run(cases.expert_bias_training, **DDP_VARIANTS[ddp])
     assert res[0]["bias"] == res[1]["bias"]  # all-reduced counts: same bias on every rank
 
 
