@@ -22,7 +22,9 @@ class PrecisionRecipe:
     8-bit exponent).
     gate_up_chunk: fc1 rows are interleaved gate/up in chunks of this many rows, so one
     N-tile of the L1 GEMM holds matching gate and up columns. fp8 keeps whole 128-row
-    scale blocks per chunk.
+    scale blocks per chunk. Native weights are not interleaved (weights.py reads them in
+    master order, in place); for them it only sets the granularity `intermediate` must have
+    (8 bf16 = 16 bytes, the row alignment torch's grouped GEMM needs).
     """
 
     name: str

@@ -1,10 +1,14 @@
 """Expert weights in kernel layout: quantized once per weight update, then reused.
 
-Megatron stores fc1 as [2*I, H] with every gate row first and every up row after. The L1
-GEMM instead wants gate and up rows interleaved in chunks, so one N-tile holds matching gate
-and up columns and SwiGLU can run in its epilogue. Quantization happens in the master order
-first, so a block's scale is the same whichever layout it is read in; the data and its
-scales are then interleaved together.
+Megatron stores fc1 as [2*I, H] with every gate row first and every up row after. The
+quantized L1 GEMMs instead want gate and up rows interleaved in chunks, so one N-tile holds
+matching gate and up columns and SwiGLU can run in its epilogue. Quantization happens in the
+master order first, so a block's scale is the same whichever layout it is read in; the data
+and its scales are then interleaved together.
+
+Unquantized recipes (bf16) keep the master order (one chunk of width I: SwiGLU runs as its own
+pass, so no interleave is needed) and read the parameter's own storage when its dtype is the
+compute dtype: no copy per weight update at all.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class ExpertWeights:
     """One rank's expert weights as the kernels read them.
 
     w1: fc1, gate/up interleaved in chunks of `chunk` rows: [E, 2I, H] (native or e4m3) or
-      packed FP4 [E, 2I, H/2]. w1_scales: its block scales, interleaved the same way, or None.
+      packed FP4 [E, 2I, H/2]. Native (unquantized) weights have chunk == I (master order) and
+      alias the caller's tensor when it already has the compute dtype. w1_scales: its block scales, interleaved the same way, or None.
     w2: fc2, [E, H, I] or packed [E, H, I/2]; w2_scales likewise.
     """
 
@@ -77,6 +82,8 @@ class ExpertWeights:
         """(w1, w2) as the forward used them, in `dtype` and master order (fc1 [gate; up]), made
         once per weight version (this object lives as long as its cache entry): what backward
         GEMMs read."""
+        if not self.quantized and self.w1.dtype == dtype and self.w2.dtype == dtype and 2 * self.chunk == self.w1.shape[1]:
+            return self.w1, self.w2  # already master order in dtype (often the parameters themselves)
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
             w1 = deinterleave_gate_up(self.dequantize_w1(), self.chunk).to(dtype)
@@ -143,15 +150,20 @@ def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> Exp
     recipe = config.precision
     chunk = recipe.gate_up_chunk
     if recipe.weight_format == "native":
-        # Copy even when the dtype already matches, so the result never aliases a parameter
-        # that may later be written through `.data`.
-        w1_data, w1_scales = w1.to(config.dtype, copy=True), None
-        w2_data, w2_scales = w2.to(config.dtype, copy=True).contiguous(), None
-    else:
-        w1_data, w1_scales = quantize_weight(w1, recipe)
-        w2_data, w2_scales = quantize_weight(w2, recipe)
-        # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
-        w1_scales = interleave_gate_up(w1_scales, chunk // recipe.weight_block[0])
+        # Master order, no copy when the dtype matches: the kernels read the parameter itself, so
+        # writes through `.data` (mixed-precision optimizers) are seen without invalidation.
+        return ExpertWeights(
+            recipe=recipe.name,
+            w1=w1.to(config.dtype).contiguous(),
+            w1_scales=None,
+            w2=w2.to(config.dtype).contiguous(),
+            w2_scales=None,
+            chunk=config.intermediate,
+        )
+    w1_data, w1_scales = quantize_weight(w1, recipe)
+    w2_data, w2_scales = quantize_weight(w2, recipe)
+    # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
+    w1_scales = interleave_gate_up(w1_scales, chunk // recipe.weight_block[0])
     return ExpertWeights(
         recipe=recipe.name,
         w1=interleave_gate_up(w1_data, chunk),

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import yaml
+from megamoe_train.precision import RECIPES as _RECIPES
 
 from .flops import H200_BF16_PEAK_TFLOPS
 
-MEGAMOE_RECIPES = ("bf16", "fp8", "mxfp8_mxfp4")
+MEGAMOE_RECIPES = tuple(_RECIPES)
 
 
 class RecipeError(ValueError):
@@ -390,26 +391,19 @@ def validate(recipe: Recipe) -> Recipe:
 
 
 def _check_megamoe_shapes(recipe: Recipe):
-    """The MegaMoE layer's own shape rules (fp8 / fp4 block sizes, ...), reported per recipe key."""
+    """The MegaMoE layer's own rules (fp8 / fp4 block sizes, backend names, ...), reported per
+    recipe key: the adapter's one Megatron -> MegaMoEConfig translation, on the run's config."""
+    from megatron_patch.config import MegaMoEConfigError, megamoe_config
+
+    from .model import transformer_config
+
     try:
-        from megamoe_train import MegaMoEConfig
-    except ImportError:  # the kernel package is not importable here: the rank will check
+        megamoe_config(transformer_config(recipe), num_max_tokens_per_rank=recipe.max_tokens_per_rank)
+    except MegaMoEConfigError as e:  # "<Megatron setting>: why"; Megatron's own errors: validate_with_megatron
+        setting = str(e).split(":", 1)[0]
+        raise RecipeError(_MEGATRON_KEYS.get(setting, "moe.megamoe_recipe"), f"MegaMoE recipe {recipe.moe.megamoe_recipe!r}: {e}") from None
+    except (ValueError, AssertionError, TypeError):
         return
-    moe, m = recipe.moe, recipe.model
-    try:
-        MegaMoEConfig(
-            num_experts=moe.num_experts, hidden=m.hidden_size, intermediate=moe.ffn_hidden_size,
-            topk=moe.topk, num_max_tokens_per_rank=recipe.max_tokens_per_rank, recipe=moe.megamoe_recipe,
-            num_shared_experts=1 if moe.shared_expert_ffn_hidden_size else 0,
-            shared_intermediate=moe.shared_expert_ffn_hidden_size,
-        )
-    except ValueError as e:
-        text = str(e)
-        name = text.split(":", 1)[0]
-        key = {"hidden": "model.hidden_size", "intermediate": "moe.ffn_hidden_size", "num_experts": "moe.num_experts",
-               "topk": "moe.topk", "recipe": "moe.megamoe_recipe", "shared_intermediate": "moe.shared_expert_ffn_hidden_size",
-               "num_max_tokens_per_rank": "moe.max_tokens_per_rank"}.get(name, "moe.megamoe_recipe")
-        raise RecipeError(key, f"MegaMoE recipe {moe.megamoe_recipe!r}: {text}") from None
 
 
 # TransformerConfig field -> recipe key (for naming the key in Megatron's own error messages)

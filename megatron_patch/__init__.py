@@ -4,27 +4,39 @@
     config = MegaMoETransformerConfig(..., moe_megamoe_recipe="bf16")   # None = stock MoE
     model = GPTModel(config, get_megamoe_gpt_decoder_block_spec(config), ...)
 
-Megatron-LM: `--spec megatron_patch.spec get_megamoe_gpt_decoder_block_spec`.
+Megatron-LM: `--spec megatron_patch.spec get_megamoe_gpt_decoder_block_spec`. HybridModel:
+`get_megamoe_hybrid_stack_spec(config, stack_spec)`.
 On CPU-only hosts call `megatron_patch.cpu_compat.apply()` first.
 """
 
 from __future__ import annotations
 
 from . import cpu_compat
-from .config import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, validate_megamoe
+from .config import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, megamoe_config, validate_megamoe
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, routing_to_topk
-from .spec import get_megamoe_gpt_decoder_block_spec, get_megamoe_gpt_layer_spec
+from .experts import MegaMoEExperts, invalidate_expert_weight_caches
+from .spec import (
+    get_megamoe_gpt_decoder_block_spec,
+    get_megamoe_gpt_layer_spec,
+    get_megamoe_hybrid_stack_spec,
+    get_megamoe_moe_module_spec,
+)
 
 __all__ = [
     "MegaMoEConfigError",
+    "MegaMoEExperts",
     "MegaMoEMoELayer",
     "MegaMoETransformerConfig",
     "cpu_compat",
     "get_expert_load",
     "get_megamoe_gpt_decoder_block_spec",
     "get_megamoe_gpt_layer_spec",
+    "get_megamoe_hybrid_stack_spec",
+    "get_megamoe_moe_module_spec",
+    "invalidate_expert_weight_caches",
     "max_tokens_per_rank",
+    "megamoe_config",
     "register_megakernel_backend",
     "routing_to_topk",
     "validate_megamoe",

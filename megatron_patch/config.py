@@ -11,13 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megamoe_train.backends import BACKENDS as _BACKENDS
+from megamoe_train import MegaMoEConfig
+from megamoe_train.backends import NAMES as _BACKEND_NAMES
 from megamoe_train.precision import RECIPES as _RECIPES
 
 RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "mxfp8_mxfp4"
+BACKENDS = ("auto", *_BACKEND_NAMES)  # every name mega_moe(backend=...) takes
 
 
 class MegaMoEConfigError(ValueError):
@@ -83,9 +86,8 @@ def validate_megamoe(config) -> None:
     recipe = config.moe_megamoe_recipe
     if recipe not in RECIPES:
         bad("moe_megamoe_recipe", f"must be one of {RECIPES} or None, got {recipe!r}")
-    backends = ("auto", *sorted(_BACKENDS))
-    if _get(config, "moe_megamoe_backend", "auto") not in backends:
-        bad("moe_megamoe_backend", f"must be one of {backends}, got {config.moe_megamoe_backend!r}")
+    if _get(config, "moe_megamoe_backend", "auto") not in BACKENDS:
+        bad("moe_megamoe_backend", f"must be one of {BACKENDS}, got {config.moe_megamoe_backend!r}")
     mt = _get(config, "moe_megamoe_max_tokens_per_rank")
     if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt <= 0):
         bad("moe_megamoe_max_tokens_per_rank", f"must be a positive int or None, got {mt!r}")
@@ -142,7 +144,7 @@ def validate_megamoe(config) -> None:
             bad(name, "not supported")
     if _get(config, "transformer_impl") == "inference_optimized":
         bad("transformer_impl", "'inference_optimized' is not supported")
-    _check_shapes(config, bad)
+    megamoe_config(config)  # the recipe's shape rules, under Megatron's names
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
         bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
 
@@ -153,29 +155,43 @@ _SHAPE_SETTINGS = {
     "intermediate": "moe_ffn_hidden_size",
     "topk": "moe_router_topk",
     "num_experts": "num_moe_experts",
+    "num_shared_experts": "moe_shared_expert_intermediate_size",
     "shared_intermediate": "moe_shared_expert_intermediate_size",
     "activation_clamp": "activation_func_clamp_value",
     "num_max_tokens_per_rank": "moe_megamoe_max_tokens_per_rank",
+    "recipe": "moe_megamoe_recipe",
+    "dtype": "params_dtype",
 }
 
 
-def _check_shapes(config, bad):
-    """The shape rules of the recipe (e.g. fp8 needs hidden_size % 128 == 0), under Megatron's names."""
-    from megamoe_train import MegaMoEConfig
+def megamoe_config(config, *, num_max_tokens_per_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16) -> MegaMoEConfig:
+    """The MegaMoEConfig of a MoE layer built from Megatron's config: the one translation.
 
+    config: a TransformerConfig (or anything with its field names) with `moe_megamoe_recipe` set.
+    num_max_tokens_per_rank: the buffer's token capacity; None takes
+    config.moe_megamoe_max_tokens_per_rank, or 1 when that is unset too (enough to check shapes;
+    the layer passes the value it agreed on at its first forward). dtype: the activations' dtype.
+    The expert width falls back to ffn_hidden_size as Megatron's own __post_init__ does.
+    Raises MegaMoEConfigError naming the Megatron setting whose value MegaMoE cannot take.
+    """
     shared = config.moe_shared_expert_intermediate_size
+    tokens = num_max_tokens_per_rank or _get(config, "moe_megamoe_max_tokens_per_rank") or 1
     try:
-        MegaMoEConfig(
+        return MegaMoEConfig(
             num_experts=config.num_moe_experts,
             hidden=config.hidden_size,
             intermediate=config.moe_ffn_hidden_size or config.ffn_hidden_size,
             topk=config.moe_router_topk,
-            num_max_tokens_per_rank=_get(config, "moe_megamoe_max_tokens_per_rank") or 1,
+            num_max_tokens_per_rank=tokens,
             recipe=config.moe_megamoe_recipe,
             num_shared_experts=1 if shared else 0,
             shared_intermediate=shared or None,
             activation_clamp=config.activation_func_clamp_value,
+            dtype=dtype,
         )
     except ValueError as e:
         field, _, why = str(e).partition(":")
-        bad(_SHAPE_SETTINGS.get(field.strip(), field.strip()), why.strip())
+        setting = _SHAPE_SETTINGS.get(field.strip(), field.strip())
+        raise MegaMoEConfigError(
+            f"{setting}: {why.strip()} (MegaMoE layer, moe_megamoe_recipe={config.moe_megamoe_recipe!r})"
+        ) from None

@@ -2,18 +2,18 @@
 as one megamoe_train.mega_moe call.
 
 What stays Megatron's: the router (score function, group-limited top-k, aux / seq / global aux
-losses, z-loss, expert bias and its token counts), the expert modules (SequentialMLP
-`experts.local_experts.{i}.linear_fc{1,2}`, or TEGroupedMLP `experts.linear_fc{1,2}.weight{i}`)
-and the shared-expert module (`shared_experts.linear_fc{1,2}`), which keep owning the
-parameters. So parameter names, `allreduce` flags, DDP buckets, optimizer groups and sharded
-checkpoint keys are exactly Megatron's, and checkpoints move between stock and MegaMoE layers
-without conversion. The stock token dispatcher is still constructed (unused).
+losses, z-loss, expert bias and its token counts) and the shared-expert module
+(`shared_experts.linear_fc{1,2}`). The routed experts become a MegaMoEExperts (experts.py): two
+stacked parameters `experts.fc1_weight` [E_local, 2I, H] and `experts.fc2_weight` [E_local, H, I],
+built from the expert module Megatron's spec made (same init), with Megatron's `allreduce`
+flags, and the per-expert checkpoint keys of SequentialMLP / TEGroupedMLP, so checkpoints move
+between stock and MegaMoE layers without conversion. The stock token dispatcher is still
+constructed (unused).
 
 Per forward: the router's dense (probs [T,E], routing_map [T,E]) become topk_idx [T,K] (ascending
 global expert ids, -1 for empty slots) and topk_weights [T,K] fp32 gathered from probs, so the
-router's gradient (and the aux losses attached to probs) flow as in the stock layer. The native
-expert weights are stacked with torch.stack (autograd reaches every native parameter; the
-weight cache sees a new tensor every step, so optimizer writes through `.data` are never missed).
+router's gradient (and the aux losses attached to probs) flow as in the stock layer. mega_moe
+reads the stacked parameters as they are and writes their gradients.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
 
-from .config import MegaMoEConfigError, megamoe_enabled, validate_megamoe
+from .config import MegaMoEConfigError, megamoe_config, megamoe_enabled, validate_megamoe
+from .experts import MegaMoEExperts, native_expert_weights
 
 __all__ = ["MegaMoEMoELayer", "get_expert_load", "routing_to_topk"]
 
@@ -47,27 +49,12 @@ def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int) -
     return topk_idx, topk_weights
 
 
-def _expert_weights(experts, num_local_experts: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """fc1 ([2I, H], gate rows first) and fc2 ([H, I]) weights of each local expert, as owned by
-    Megatron's expert module."""
-    local = getattr(experts, "local_experts", None)
-    if local is not None:  # SequentialMLP
-        return [e.linear_fc1.weight for e in local], [e.linear_fc2.weight for e in local]
-    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
-    if fc1 is not None and hasattr(fc1, "weight0"):  # TEGroupedMLP (TE GroupedLinear)
-        return (
-            [getattr(fc1, f"weight{i}") for i in range(num_local_experts)],
-            [getattr(fc2, f"weight{i}") for i in range(num_local_experts)],
-        )
-    raise MegaMoEConfigError(
-        f"experts: unsupported expert module {type(experts).__name__} (MegaMoE takes SequentialMLP or "
-        "TEGroupedMLP with per-expert weights)"
-    )
-
-
 class MegaMoECall:
     """What one MoE layer needs to call mega_moe: the buffer config (fixed at the first call),
-    the expert-parallel group and the native modules that own the weights."""
+    the expert-parallel group and the modules that own the weights: a MegaMoEExperts (stacked
+    parameters, read as they are), or Megatron's own expert module where Megatron keeps owning
+    it (the megakernel backend, megakernel.py), whose per-expert weights are then stacked per
+    forward."""
 
     def __init__(self, config, ep_group, experts, shared_experts, num_local_experts: int):
         validate_megamoe(config)
@@ -90,20 +77,7 @@ class MegaMoECall:
         if cfg is None:
             if self.max_tokens is None:  # collective, once per layer (every rank runs the same layers)
                 self.max_tokens = self._agree_max_tokens(x.shape[0], x.device)
-            c = self.config
-            shared = c.moe_shared_expert_intermediate_size
-            cfg = MegaMoEConfig(
-                num_experts=c.num_moe_experts,
-                hidden=c.hidden_size,
-                intermediate=c.moe_ffn_hidden_size,
-                topk=c.moe_router_topk,
-                num_max_tokens_per_rank=self.max_tokens,
-                recipe=c.moe_megamoe_recipe,
-                num_shared_experts=1 if shared else 0,
-                shared_intermediate=shared if shared else None,
-                activation_clamp=c.activation_func_clamp_value,
-                dtype=x.dtype,
-            )
+            cfg = megamoe_config(self.config, num_max_tokens_per_rank=self.max_tokens, dtype=x.dtype)
             self._mm_configs[x.dtype] = cfg
         return cfg
 
@@ -111,7 +85,11 @@ class MegaMoECall:
         """x [T, H] -> y [T, H]: routed experts (+ shared experts) of this layer."""
         cfg = self.megamoe_config(x)
         buffer = get_symm_buffer(self.ep_group, cfg, device=x.device)  # shared by layers of equal shape
-        fc1, fc2 = _expert_weights(self.experts, self.num_local_experts)
+        if isinstance(self.experts, MegaMoEExperts):
+            w1, w2 = self.experts()  # through the module: its pre-hooks (param all-gather) run
+        else:
+            _, fc1, fc2 = native_expert_weights(self.experts, self.num_local_experts)
+            w1, w2 = torch.stack(fc1), torch.stack(fc2)
         shared = {}
         if cfg.num_shared_experts:
             shared = dict(shared_w1=self.shared_experts.linear_fc1.weight, shared_w2=self.shared_experts.linear_fc2.weight)
@@ -119,8 +97,8 @@ class MegaMoECall:
             x,
             topk_idx,
             topk_weights,
-            torch.stack(fc1),
-            torch.stack(fc2),
+            w1,
+            w2,
             buffer,
             recv_stats=recv_stats,
             backend=self.config.moe_megamoe_backend,
@@ -158,6 +136,10 @@ class MegaMoEMoELayer(MoELayer):
             name=name,
             **kwargs,
         )
+        # Megatron's expert module (built by the spec, so initialized as in a stock model) hands
+        # its weights to the stacked parameters and is dropped.
+        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
+        self.experts = MegaMoEExperts.from_native(self.experts, config, self.num_local_experts, self.ep_group, pg.expt_dp)
         device = next(self.router.parameters()).device
         self.register_buffer(
             "expert_recv_stats", torch.zeros(self.num_local_experts, dtype=torch.int64, device=device), persistent=False

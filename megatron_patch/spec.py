@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -36,7 +36,16 @@ from megatron.core.utils import get_pg_rank
 from .config import megamoe_enabled, validate_megamoe
 from .moe_layer import MegaMoEMoELayer
 
-__all__ = ["ensure_megamoe_fields", "get_megamoe_gpt_decoder_block_spec", "get_megamoe_gpt_layer_spec", "swap_moe_layers"]
+__all__ = [
+    "ensure_megamoe_fields",
+    "get_megamoe_gpt_decoder_block_spec",
+    "get_megamoe_gpt_layer_spec",
+    "get_megamoe_hybrid_stack_spec",
+    "get_megamoe_moe_module_spec",
+    "hybrid_stack_spec_by_config",
+    "moe_layer_by_config",
+    "swap_moe_layers",
+]
 
 
 def _swap_mlp(mlp: Any) -> Any:
@@ -64,6 +73,61 @@ def swap_moe_layers(spec):
     if isinstance(spec, TransformerBlockSubmodules):
         return dataclasses.replace(spec, layer_specs=[_swap_layer_spec(s) for s in spec.layer_specs])
     return _swap_layer_spec(spec)
+
+
+def get_megamoe_moe_module_spec(config, use_te: Optional[bool] = True, num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False):
+    """Megatron's get_moe_module_spec(use_te, num_experts, moe_grouped_gemm) (the MoE builder of
+    HybridModel stack specs) with MoELayer -> MegaMoEMoELayer when config.moe_megamoe_recipe is set."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    if not megamoe_enabled(config):
+        return spec
+    validate_megamoe(config)
+    return _swap_mlp(spec)
+
+
+def get_megamoe_hybrid_stack_spec(config, stack_spec: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """A HybridModel stack spec (default: megatron-core's `hybrid_stack_spec`, which needs
+    Transformer Engine) whose MoE layers ('E' in the layer pattern) are MegaMoEMoELayer when
+    config.moe_megamoe_recipe is set; the stack spec unchanged otherwise. Every other layer
+    kind (Mamba, attention, MLP, ...) stays as the given spec builds it.
+
+        model = HybridModel(config, get_megamoe_hybrid_stack_spec(config, my_stack_spec), vocab_size=...,
+                            max_sequence_length=..., hybrid_layer_pattern="M*E...")
+    """
+    if stack_spec is None:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+        stack_spec = hybrid_stack_spec
+    if not megamoe_enabled(config):
+        return stack_spec
+    validate_megamoe(config)
+    submodules = stack_spec.submodules
+    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(submodules, moe_layer=_swap_layer_spec(submodules.moe_layer)))
+
+
+def moe_layer_by_config(*, config, submodules, **kwargs):
+    """MoE-layer builder that decides when the layer is built: MegaMoEMoELayer if
+    config.moe_megamoe_recipe is set (a plain TransformerConfig gets it from the environment, see
+    ensure_megamoe_fields), Megatron's MoELayer otherwise. What the uncalled hybrid stack spec puts
+    where Megatron's spec has `partial(MoELayer, submodules=...)`."""
+    ensure_megamoe_fields(config)
+    layer = MegaMoEMoELayer if megamoe_enabled(config) else MoELayer
+    return layer(config=config, submodules=submodules, **kwargs)
+
+
+def hybrid_stack_spec_by_config(stack_spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a HybridModel stack spec whose MoE layer is chosen from the config at build time
+    (moe_layer_by_config): usable without a config in hand, e.g. as Megatron-LM's `--spec`."""
+    submodules = stack_spec.submodules
+    moe_layer = submodules.moe_layer
+    mlp = getattr(getattr(moe_layer, "submodules", None), "mlp", None)
+    if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
+        raise ValueError(f"stack_spec: its moe_layer's mlp is not partial(MoELayer, ...): {mlp!r}")
+    swapped = functools.partial(moe_layer_by_config, *mlp.args, **mlp.keywords)
+    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=swapped))
+    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(submodules, moe_layer=moe_layer))
 
 
 def _build_block_spec(config, use_transformer_engine: bool = False, **kwargs) -> TransformerBlockSubmodules:

@@ -96,6 +96,24 @@ def pair(overrides, recipe="bf16"):
     return stock, mega
 
 
+def per_expert(named):
+    """{name: tensor} of a MegaMoE model with its stacked expert tensors split into the per-expert
+    names of Megatron's SequentialMLP (`experts.fc1_weight` [E_l, 2I, H] -> `experts.local_experts.{i}.linear_fc1.weight`),
+    so it compares name by name with a stock model's."""
+    out = {}
+    for name, t in named.items():
+        for fc in (1, 2):
+            suffix = f"experts.fc{fc}_weight"
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                for i in range(t.shape[0]):
+                    out[f"{base}experts.local_experts.{i}.linear_fc{fc}.weight"] = t[i]
+                break
+        else:
+            out[name] = t
+    return out
+
+
 def moe_layer_types(m):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -117,9 +135,13 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
     stock, mega = pair(overrides)
     assert moe_layer_types(stock) == ["MoELayer", "MoELayer"], moe_layer_types(stock)
     assert moe_layer_types(mega) == ["MegaMoEMoELayer", "MegaMoEMoELayer"], moe_layer_types(mega)
-    # same parameter names and allreduce flags (DDP buckets, optimizer groups, clip-grad dedup)
-    flags = lambda m: [(n, getattr(p, "allreduce", True), tuple(p.shape)) for n, p in m.named_parameters()]
+    # the same parameters per expert, with the same allreduce flags (expert-DP reduction, optimizer groups)
+    def flags(m):
+        return {e: (getattr(p, "allreduce", True), tuple(t.shape)) for n, p in m.named_parameters() for e, t in per_expert({n: p}).items()}
+
     assert flags(stock) == flags(mega)
+    stacked = [n for n, _ in mega.named_parameters() if n.endswith(("experts.fc1_weight", "experts.fc2_weight"))]
+    assert len(stacked) == 4 and not any("local_experts" in n for n, _ in mega.named_parameters()), stacked
     tokens, pos, labels = batch(rank)
     out = {}
     for name, m in (("stock", stock), ("mega", mega)):
@@ -130,10 +152,10 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
             m = Float16Module(m.config, m)
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        out[name] = (loss.item(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+        out[name] = (loss.item(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
-    errs = {n: rel_err(g2[n], g1[n]) for n in g1}
+    errs = {n: rel_err(g2[n], g1[n]) for n in g1}  # stacked grad[e] vs stock expert e's grad
     worst = max(errs, key=errs.get)
     assert abs(l1 - l2) <= tol * abs(l1), (l1, l2)
     assert errs[worst] < tol, (worst, errs[worst])
@@ -182,8 +204,42 @@ def expert_load(rank, world, overrides=None):
     return load.tolist()
 
 
+def sharded_layout(m):
+    """What a dist checkpoint of model m holds on this rank: for every sharded tensor / object
+    (factories built), its checkpoint key, global shape and offset, fragmentation and replica id."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for v in m.sharded_state_dict().values():
+        for t in v.build() if isinstance(v, ShardedTensorFactory) else [v]:
+            if isinstance(t, ShardedTensor):
+                out.append((t.key, t.global_shape, t.global_offset, t.axis_fragmentations, t.replica_id, tuple(t.local_shape)))
+            elif isinstance(t, ShardedObject):
+                out.append((t.key, t.global_shape, t.global_offset, None, t.replica_id, None))
+    return sorted(out, key=repr)
+
+
+def te_grouped_naming(state_dict):
+    """A SequentialMLP-named state dict renamed the way TEGroupedMLP names its weights
+    (`experts.linear_fc1.weight{i}`; TE is not installed here to build one)."""
+    import re
+
+    out = {}
+    for k, v in state_dict.items():
+        m = re.match(r"(.*experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$", k)
+        if m is None:
+            out[k] = v
+        elif m.group(4) == "weight":
+            out[f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"] = v
+        else:
+            out[f"{m.group(1)}{m.group(3)}._extra_state"] = None
+    return out
+
+
 def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
-    """stock -> MegaMoE and MegaMoE -> stock through megatron.core.dist_checkpointing, bit-exact."""
+    """stock -> MegaMoE and MegaMoE -> stock, bit-exact: through megatron.core.dist_checkpointing
+    (same checkpoint keys, offsets and replica ids per expert) and through the plain state_dict
+    (SequentialMLP keys, and TEGroupedMLP keys)."""
     init(rank, world)
     from megatron.core import dist_checkpointing
 
@@ -191,7 +247,7 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
     mega = model(config("bf16", **overrides), seed=12)
 
     def params(m):
-        return {n: p.detach().clone() for n, p in m.named_parameters()}
+        return per_expert({n: p.detach().clone() for n, p in m.named_parameters()})
 
     def save(m, path):
         if rank == 0:
@@ -204,28 +260,44 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
         sd = dist_checkpointing.load(m.sharded_state_dict(), path)
         m.load_state_dict(sd, strict=True)
 
+    def same(a, b):
+        assert set(a) == set(b), sorted(set(a) ^ set(b))
+        bad = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not bad, bad
+
+    assert sharded_layout(stock) == sharded_layout(mega)
     ref_stock, ref_mega = params(stock), params(mega)
     assert any(not torch.equal(ref_stock[n], ref_mega[n]) for n in ref_stock)  # different inits
     # stock -> MegaMoE
     save(stock, os.path.join(ckpt_dir, "stock"))
     load(mega, os.path.join(ckpt_dir, "stock"))
-    got = params(mega)
-    bad = [n for n in ref_stock if not torch.equal(got[n], ref_stock[n])]
-    assert not bad, bad
+    same(params(mega), ref_stock)
     # MegaMoE (with its own weights) -> stock
     fresh = model(config("bf16", **overrides), seed=13)
     ref_fresh = params(fresh)
     save(fresh, os.path.join(ckpt_dir, "mega"))
     load(stock, os.path.join(ckpt_dir, "mega"))
-    got = params(stock)
-    bad = [n for n in ref_fresh if not torch.equal(got[n], ref_fresh[n])]
-    assert not bad, bad
-    keys = lambda m: sorted(m.sharded_state_dict().keys())
-    assert keys(stock) == keys(fresh)
+    same(params(stock), ref_fresh)
+
+    # plain state_dict: the same keys as stock's, loadable both ways (strict)
+    stock = model(config(None, **overrides), seed=21)
+    mega = model(config("bf16", **overrides), seed=22)
+    assert list(mega.state_dict().keys()) == list(stock.state_dict().keys())
+    ref_stock, ref_mega = params(stock), params(mega)
+    mega.load_state_dict(stock.state_dict(), strict=True)
+    same(params(mega), ref_stock)
+    stock.load_state_dict(model(config("bf16", **overrides), seed=22).state_dict(), strict=True)
+    same(params(stock), ref_mega)
+    # TEGroupedMLP naming into MegaMoE
+    mega = model(config("bf16", **overrides), seed=23)
+    te_sd = te_grouped_naming(model(config(None, **overrides), seed=24).state_dict())
+    assert any(".experts.linear_fc1.weight1" in k for k in te_sd)
+    mega.load_state_dict(te_sd, strict=True)
+    same(params(mega), params(model(config(None, **overrides), seed=24)))
     return len(ref_stock)
 
 
-def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False):
+def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False):
     """Sigmoid router + aux-loss-free expert bias with DDP, finalize_model_grads and the Megatron
     optimizer: the bias (and the router's token counts) evolve exactly as with stock layers.
     Optionally with the distributed optimizer and overlapped grad reduction (DDP's grad hooks must
@@ -248,9 +320,14 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
     for name, m in (("stock", stock), ("mega", mega)):
         cfg = m.config
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer,
+            overlap_param_gather=overlap_param_gather,
         )
         ddp = DistributedDataParallel(cfg, ddp_cfg, m)
+        synced = []  # DDP's param-sync pre-hook must run on the module that owns the stacked weights
+        for x in m.modules():
+            if type(x).__name__ == "MegaMoEExperts":
+                x.register_forward_pre_hook(lambda mod, args: synced.append(mod))
         opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer)
         opt = get_megatron_optimizer(opt_cfg, [ddp])
         losses, biases, counts = [], [], []
@@ -266,7 +343,8 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
             assert ok
             losses.append(loss.item())
             biases.append([l.mlp.router.expert_bias.detach().clone() for l in m.decoder.layers])
-        results[name] = (losses, biases, counts, {n: p.detach().clone() for n, p in m.named_parameters()})
+            assert len(synced) == (2 * (step + 1) if name == "mega" else 0), len(synced)
+        results[name] = (losses, biases, counts, per_expert({n: p.detach().clone() for n, p in m.named_parameters()}))
     (l1, b1, c1, p1), (l2, b2, c2, p2) = results["stock"], results["mega"]
     for s in range(steps):
         assert abs(l1[s] - l2[s]) <= 1e-5 * abs(l1[s]), (s, l1[s], l2[s])
@@ -406,7 +484,7 @@ def quantized_recipe(rank, world, recipe):
     for name, m in (("stock", stock), ("mega", mega)):
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        out[name] = (loss.item(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+        out[name] = (loss.item(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert abs(l1 - l2) < 1e-2 * abs(l1), (l1, l2)
     assert all(torch.isfinite(g).all() for g in g2.values())
@@ -414,3 +492,293 @@ def quantized_recipe(rank, world, recipe):
     worst = max(errs, key=errs.get)
     assert errs[worst] < {"fp8": 0.2, "mxfp8_mxfp4": 0.5}[recipe], (worst, errs[worst])
     return {"loss": (l1, l2), "worst": (worst, errs[worst])}
+
+
+def _recording_transform():
+    """Wrap megamoe_train.weights._transform (the uncached weight transform); returns (calls, undo)."""
+    import megamoe_train.weights as W
+
+    orig, calls = W._transform, []
+
+    def recording(w1, w2, cfg):
+        out = orig(w1, w2, cfg)
+        calls.append((w1, w2, cfg, out))
+        return out
+
+    W._transform = recording
+    return calls, orig, lambda: setattr(W, "_transform", orig)
+
+
+def weight_transform_once_per_step(rank, world, steps=3, micro_batches=2):
+    """fp8 recipe, bf16 model under Megatron's mixed-precision optimizer (which writes the model
+    params through `.data`), DDP, full activation recompute, 2 micro-batches per step: each layer's
+    expert weights are quantized exactly once per optimizer step (not per micro-batch, not again in
+    the recompute pass), and the quantized weights a step uses are those of the updated parameters."""
+    init(rank, world)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_patch.experts import MegaMoEExperts
+
+    overrides = dict(
+        hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128, bf16=True, params_dtype=torch.bfloat16,
+        moe_router_dtype="fp32", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+    )
+    cfg = config("fp8", **overrides)
+    m = Float16Module(cfg, model(cfg, seed=5))
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True), [ddp])
+    experts = [x for x in ddp.modules() if isinstance(x, MegaMoEExperts)]
+    assert len(experts) == 2
+    calls, transform, undo = _recording_transform()
+    try:
+        previous = None
+        for step in range(steps):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for micro in range(micro_batches):
+                tokens, pos, labels = batch(rank, seed=20 + step * micro_batches + micro)
+                ddp(tokens, pos, None, labels=labels).float().mean().backward()
+            # one transform per layer this step, of that layer's own stacked parameters
+            assert len(calls) == len(experts) * (step + 1), (step, len(calls))
+            used = calls[-len(experts):]
+            assert sorted(c[0].data_ptr() for c in used) == sorted(e.fc1_weight.data_ptr() for e in experts)
+            for w1, w2, mm_cfg, out in used:  # the quantized weights are those of the current parameters
+                fresh = transform(w1.detach(), w2.detach(), mm_cfg)
+                assert out.quantized and out.w1.data_ptr() != w1.data_ptr()  # fp8: a quantized copy
+                assert torch.equal(out.w1.float(), fresh.w1.float()) and torch.equal(out.w1_scales, fresh.w1_scales)
+                assert torch.equal(out.w2.float(), fresh.w2.float()) and torch.equal(out.w2_scales, fresh.w2_scales)
+            if previous is not None:  # and the optimizer did change them
+                assert any(not torch.equal(a.w1.float(), b[3].w1.float()) for a, b in zip(previous, used))
+            previous = [c[3] for c in used]
+            finalize_model_grads([ddp])
+            versions = [e.fc1_weight._version for e in experts]
+            ok, _, _ = opt.step()
+            assert ok
+            assert all(e.fc1_weight._version > v for e, v in zip(experts, versions))  # the step hook's mark
+    finally:
+        undo()
+    return len(calls)
+
+
+def forward_reads_parameters(rank, world):
+    """bf16 recipe: mega_moe gets the stacked parameters themselves, and their transform is the
+    parameter storage (no copy) when the model dtype is the compute dtype (fp32 here, and bf16
+    under Float16Module); no per-forward stack of expert weights."""
+    init(rank, world)
+    from megatron.core.transformer.module import Float16Module
+
+    import megamoe_train.autograd as A
+    from megatron_patch.experts import MegaMoEExperts
+
+    seen = []
+    orig_apply = A.MegaMoEFunction.apply
+
+    def spy(x, topk_idx, topk_weights, w1, w2, *rest):
+        seen.append((w1, w2))
+        return orig_apply(x, topk_idx, topk_weights, w1, w2, *rest)
+
+    calls, _, undo = _recording_transform()
+    A.MegaMoEFunction.apply = spy
+    try:
+        for bf16 in (False, True):
+            kw = dict(bf16=True, params_dtype=torch.bfloat16, moe_router_dtype="fp32") if bf16 else {}
+            cfg = config("bf16", **kw)
+            m = model(cfg, seed=6)
+            if bf16:
+                m = Float16Module(cfg, m)
+            experts = [x for x in m.modules() if isinstance(x, MegaMoEExperts)]
+            seen.clear(), calls.clear()
+            tokens, pos, labels = batch(rank)
+            m(tokens, pos, None, labels=labels).float().mean().backward()
+            assert [(a is e.fc1_weight, b is e.fc2_weight) for (a, b), e in zip(seen, experts)] == [(True, True)] * 2
+            assert len(calls) == 2
+            for (w1, w2, _, out), e in zip(calls, experts):
+                assert out.w1.data_ptr() == e.fc1_weight.data_ptr() and out.w2.data_ptr() == e.fc2_weight.data_ptr()
+                assert out.w1.dtype == (torch.bfloat16 if bf16 else torch.float32)
+            assert all(e.fc1_weight.grad is not None and e.fc1_weight.grad.abs().sum() > 0 for e in experts)
+    finally:
+        A.MegaMoEFunction.apply = orig_apply
+        undo()
+    return True
+
+
+def local_hybrid_stack_spec(num_experts):
+    """A HybridModel stack spec of attention ('*') and MoE ('E') layers from megatron-core's
+    local modules: megatron-core's own `hybrid_stack_spec` needs Transformer Engine (TENorm,
+    TE linears and attention) and its Mamba layers need mamba_ssm, neither installed here."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules
+
+    local = get_gpt_layer_local_spec().submodules
+    attention = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add
+        ),
+    )
+    moe = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=local.pre_mlp_layernorm,
+            mlp=get_moe_module_spec(use_te=False, num_experts=num_experts),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attention, moe_layer=moe))
+
+
+def hybrid_equivalence(rank, world, tol=1e-5):
+    """HybridModel (layer pattern '*E*E') with its MoE layers switched through
+    get_megamoe_hybrid_stack_spec: same output and gradients (per expert) as the stock HybridModel,
+    and its checkpoint keys equal stock's. Built with post_process=False: HybridStack's final norm
+    is always TENorm, which needs Transformer Engine; the loss is a fixed random projection of the
+    stack's output."""
+    init(rank, world)
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_patch import get_megamoe_hybrid_stack_spec, get_megamoe_moe_module_spec
+
+    # no aux / z-loss: Megatron's global aux-loss tracker is sized by the first model's layer
+    # count (2 in the other cases of this process); the GPT cases cover the losses
+    overrides = dict(num_layers=4, moe_shared_expert_intermediate_size=96, moe_router_load_balancing_type="none",
+                     moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    models = {}
+    for name, recipe, seed in (("stock", None, 1), ("mega", "bf16", 2)):
+        cfg = config(recipe, **overrides)
+        spec = get_megamoe_hybrid_stack_spec(cfg, local_hybrid_stack_spec(cfg.num_moe_experts))
+        torch.manual_seed(seed)
+        models[name] = HybridModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*E*E",
+                                   position_embedding_type="rope", post_process=False).to(device())
+    stock, mega = models["stock"], models["mega"]
+    assert moe_layer_types(stock) == ["MoELayer"] * 2 and moe_layer_types(mega) == ["MegaMoEMoELayer"] * 2
+    assert sharded_layout(stock) == sharded_layout(mega)
+    mega.load_state_dict(stock.state_dict(), strict=True)
+    tokens, pos, _ = batch(rank)
+    proj = torch.randn(SEQ, BATCH, 64, generator=torch.Generator().manual_seed(7 + rank)).to(device())
+    out = {}
+    for name, m in (("stock", stock), ("mega", mega)):
+        hidden = m(tokens, pos, None)
+        assert hidden.shape == proj.shape, hidden.shape
+        loss = (hidden.float() * proj).mean()
+        loss.backward()
+        out[name] = (hidden.detach().clone(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (h1, g1), (h2, g2) = out["stock"], out["mega"]
+    assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
+    errs = {n: rel_err(g2[n], g1[n]) for n in g1}
+    worst = max(errs, key=errs.get)
+    assert rel_err(h2, h1) <= tol, rel_err(h2, h1)
+    assert errs[worst] < tol, (worst, errs[worst])
+    assert any("router" in n for n in g1) and any("experts.local_experts" in n for n in g1)
+    l1 = rel_err(h2, h1)
+    # the uncalled form (Megatron-LM's hybrid `--spec`): the MoE layer is chosen by the config it is built with
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patch.spec import hybrid_stack_spec_by_config
+
+    by_config = hybrid_stack_spec_by_config(local_hybrid_stack_spec(4))
+    build = lambda cfg: HybridModel(cfg, by_config, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*E*E",
+                                    position_embedding_type="rope", post_process=False)
+    assert moe_layer_types(build(config("bf16", **overrides))) == ["MegaMoEMoELayer"] * 2
+    assert moe_layer_types(build(config(None, **overrides))) == ["MoELayer"] * 2
+    plain_kw = {f: getattr(config("bf16", **overrides), f) for f in TransformerConfig.__dataclass_fields__ if f in _CONFIG_KEYS}
+    os.environ["MEGAMOE_RECIPE"] = "none"
+    try:
+        assert moe_layer_types(build(TransformerConfig(**plain_kw))) == ["MoELayer"] * 2
+    finally:
+        del os.environ["MEGAMOE_RECIPE"]
+    plain = TransformerConfig(**plain_kw)
+    assert moe_layer_types(build(plain)) == ["MegaMoEMoELayer"] * 2 and plain.moe_megamoe_recipe == "bf16"
+    spec = import_module(("megatron_patch.hybrid_spec", "megamoe_hybrid_stack_spec"))  # megatron-core's TE stack, swapped
+    assert spec.submodules.moe_layer.submodules.mlp.func.__name__ == "moe_layer_by_config"
+    # the MoE builder alone, as hybrid_layer_specs calls it
+    cfg = config("bf16")
+    assert get_megamoe_moe_module_spec(cfg, use_te=False, num_experts=4).func.__name__ == "MegaMoEMoELayer"
+    assert get_megamoe_moe_module_spec(config(None), use_te=False, num_experts=4).func.__name__ == "MoELayer"
+    return {"out_rel_err": l1, "worst": (worst, errs[worst]), "n_grads": len(g1)}
+
+
+def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
+    """Adam state through dist checkpoints: after one identical step, the MegaMoE model's optimizer
+    sharded state has the stock model's keys and layout (per expert), and a MegaMoE checkpoint of
+    model + optimizer loads into a stock model + optimizer (and back) with equal moments per expert."""
+    init(rank, world)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    def trained(recipe, seed_model):
+        m = model(config(recipe), seed=seed_model)
+        ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
+        return m, ddp, opt
+
+    def step(m, ddp, opt, seed):
+        ddp.zero_grad_buffer(), opt.zero_grad()
+        tokens, pos, labels = batch(rank, seed=seed)
+        ddp(tokens, pos, None, labels=labels).float().mean().backward()
+        finalize_model_grads([ddp])  # data-parallel grads reduced: replicated state equal on every rank
+        assert opt.step()[0]
+
+    def layout(m, opt):
+        out = []
+        for v in nested_values(opt.sharded_state_dict(m.sharded_state_dict())):
+            for t in v.build() if isinstance(v, ShardedTensorFactory) else [v]:
+                if isinstance(t, ShardedTensor):
+                    out.append((t.key, t.global_shape, t.global_offset, t.axis_fragmentations, t.replica_id))
+        return sorted(out, key=repr)
+
+    def moments(m, opt):
+        """{param name (per expert): exp_avg} of a model."""
+        inner = opt.chained_optimizers if hasattr(opt, "chained_optimizers") else [opt]
+        named = {id(p): n for n, p in m.named_parameters()}
+        out = {}
+        for o in inner:
+            for group in o.optimizer.param_groups:
+                for p in group["params"]:
+                    out.update(per_expert({named[id(p)]: o.optimizer.state[p]["exp_avg"].clone()}))
+        return out
+
+    def save(m, opt, path):
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        model_sd = m.sharded_state_dict()
+        dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, path)
+        dist.barrier()
+
+    def load(m, opt, path):  # as megatron_patch/checkpoint.py does
+        model_sd = m.sharded_state_dict()
+        m.load_state_dict(dist_checkpointing.load({"model": model_sd}, path)["model"], strict=True)
+        model_sd = m.sharded_state_dict()
+        opt.load_state_dict(dist_checkpointing.load({"optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, path)["optimizer"])
+
+    stock, s_ddp, s_opt = trained(None, 31)
+    mega, m_ddp, m_opt = trained("bf16", 32)
+    mega.load_state_dict(stock.state_dict(), strict=True)
+    step(stock, s_ddp, s_opt, 40), step(mega, m_ddp, m_opt, 40)
+    assert layout(stock, s_opt) == layout(mega, m_opt)
+    ref_s, ref_m = moments(stock, s_opt), moments(mega, m_opt)
+    assert max(rel_err(ref_m[n], ref_s[n]) for n in ref_s) < 1e-4  # same step, same moments
+    # MegaMoE -> a fresh stock run, and stock -> a fresh MegaMoE run
+    save(mega, m_opt, os.path.join(ckpt_dir, "mega"))
+    save(stock, s_opt, os.path.join(ckpt_dir, "stock"))
+    for recipe, src, ref in ((None, "mega", ref_m), ("bf16", "stock", ref_s)):
+        m, ddp, opt = trained(recipe, 50)
+        step(m, ddp, opt, 41)  # optimizer state exists, and differs
+        load(m, opt, os.path.join(ckpt_dir, src))
+        got = moments(m, opt)
+        assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+        bad = [n for n in ref if not torch.equal(got[n], ref[n])]
+        assert not bad, bad
+    return len(ref_s)

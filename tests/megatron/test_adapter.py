@@ -53,10 +53,16 @@ def test_checkpoint_roundtrip_both_ways(mcore_pool, tmp_path):
     assert n[0] == n[1] > 10
 
 
-@pytest.mark.parametrize("ddp", ["plain", "distopt-overlap"])
+DDP_VARIANTS = {
+    "plain": {},
+    "distopt-overlap": dict(distributed_optimizer=True, overlap_grad_reduce=True),
+    "distopt-overlap-param-gather": dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+}
+
+
+@pytest.mark.parametrize("ddp", list(DDP_VARIANTS))
 def test_expert_bias_updates_match_stock(mcore_pool, ddp):
-    kw = dict(distributed_optimizer=True, overlap_grad_reduce=True) if ddp != "plain" else {}
-    res = mcore_pool().run(cases.expert_bias_training, **kw)
+    res = mcore_pool().run(cases.expert_bias_training, **DDP_VARIANTS[ddp])
     assert res[0]["bias"] == res[1]["bias"]  # all-reduced counts: same bias on every rank
 
 
@@ -85,3 +91,25 @@ def test_megakernel_backend_registration(mcore_pool):
 def test_quantized_recipes_close_to_stock(mcore_pool, recipe):
     res = mcore_pool().run(cases.quantized_recipe, recipe)
     print(recipe, res)
+
+
+def test_fp8_weights_quantized_once_per_step(mcore_pool):
+    """Mixed-precision optimizer (writes through .data), DDP, full recompute, 2 micro-batches."""
+    res = mcore_pool().run(cases.weight_transform_once_per_step)
+    assert res == [6, 6]  # 2 layers x 3 steps
+
+
+def test_bf16_forward_reads_parameter_storage(mcore_pool):
+    assert mcore_pool().run(cases.forward_reads_parameters) == [True, True]
+
+
+def test_hybrid_model_equivalence(mcore_pool):
+    """HybridModel's MoE layers through get_megamoe_hybrid_stack_spec (attention + MoE layers from
+    megatron-core's local modules; its TE / Mamba layers cannot be built without TE / mamba_ssm)."""
+    res = mcore_pool().run(cases.hybrid_equivalence)
+    assert all(r["n_grads"] > 10 for r in res)
+
+
+def test_optimizer_checkpoint_both_ways(mcore_pool, tmp_path):
+    n = mcore_pool().run(cases.optimizer_checkpoint_both_ways, str(tmp_path))
+    assert n[0] == n[1] > 10

@@ -44,3 +44,20 @@ def test_spec_called_and_uncalled_gpu(mcore_pool):
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp8_mxfp4"])
 def test_quantized_recipes_close_to_stock_gpu(mcore_pool, recipe):
     mcore_pool("nccl").run(cases.quantized_recipe, recipe)
+
+
+def test_fp8_weights_quantized_once_per_step_gpu(mcore_pool):
+    """H=I=128: the fp8 layer runs on the Triton backend here."""
+    assert mcore_pool("nccl").run(cases.weight_transform_once_per_step) == [6, 6]
+
+
+def test_bf16_forward_reads_parameter_storage_gpu(mcore_pool):
+    assert mcore_pool("nccl").run(cases.forward_reads_parameters) == [True, True]
+
+
+def test_hybrid_model_equivalence_gpu(mcore_pool):
+    mcore_pool("nccl").run(cases.hybrid_equivalence, tol=1e-4)
+
+
+def test_optimizer_checkpoint_both_ways_gpu(mcore_pool, tmp_path):
+    mcore_pool("nccl").run(cases.optimizer_checkpoint_both_ways, str(tmp_path))

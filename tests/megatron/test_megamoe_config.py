@@ -117,3 +117,55 @@ def test_megakernel_registration_is_a_noop_on_0_19():
         assert register_megakernel_backend() is False
     else:
         assert register_megakernel_backend() is True
+
+
+# ---- names: one list each, from the core ---------------------------------------------------
+def test_recipe_and_backend_names_come_from_the_core():
+    from megamoe_train.backends import NAMES
+    from megamoe_train.precision import RECIPES as CORE_RECIPES
+    from megatron_patch.config import BACKENDS, RECIPES
+
+    assert RECIPES == tuple(CORE_RECIPES)
+    assert BACKENDS == ("auto", *NAMES) and "triton" in BACKENDS and "reference" in BACKENDS
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+def test_every_backend_name_passes_validation(backend):
+    """The backend registry fills lazily (triton on first use); validation must not depend on it."""
+    from megatron_patch.config import BACKENDS
+
+    assert backend in BACKENDS
+    cfg = make(moe_megamoe_backend=backend)
+    validate_megamoe(cfg)
+    assert cfg.moe_megamoe_backend == backend
+
+
+# ---- the one Megatron -> MegaMoEConfig translation ------------------------------------------
+def test_megamoe_config_translation():
+    import torch
+
+    from megatron_patch.config import megamoe_config
+
+    cfg = make(hidden_size=128, moe_ffn_hidden_size=256, moe_shared_expert_intermediate_size=384, activation_func_clamp_value=7.0,
+               moe_megamoe_max_tokens_per_rank=512)
+    mm = megamoe_config(cfg)
+    assert (mm.num_experts, mm.hidden, mm.intermediate, mm.topk) == (4, 128, 256, 2)
+    assert (mm.num_shared_experts, mm.shared_intermediate, mm.activation_clamp) == (1, 384, 7.0)
+    assert mm.num_max_tokens_per_rank == 512 and mm.recipe == "bf16" and mm.dtype == torch.bfloat16
+    mm = megamoe_config(cfg, num_max_tokens_per_rank=64, dtype=torch.float32)
+    assert mm.num_max_tokens_per_rank == 64 and mm.dtype == torch.float32
+    # moe_ffn_hidden_size unset: Megatron's own fallback (ffn_hidden_size) in every caller
+    cfg = make()
+    assert cfg.moe_ffn_hidden_size == 128 and megamoe_config(cfg).intermediate == 128
+    cfg.moe_ffn_hidden_size = None
+    assert megamoe_config(cfg).intermediate == cfg.ffn_hidden_size
+    mm = megamoe_config(make())
+    assert mm.num_shared_experts == 0 and mm.activation_clamp is None and mm.num_max_tokens_per_rank == 1
+    with pytest.raises(MegaMoEConfigError, match="^moe_ffn_hidden_size:"):
+        megamoe_config(_with_recipe("fp8", hidden_size=128, moe_ffn_hidden_size=96))
+
+
+def _with_recipe(recipe, **overrides):
+    cfg = MegaMoETransformerConfig(**{**BASE, **overrides})  # stock config, then switched on (no __post_init__ check)
+    cfg.moe_megamoe_recipe = recipe
+    return cfg
