@@ -41,31 +41,18 @@ class _Range:
             self.handle = None
 
 
-class _OpenOnBackward(torch.autograd.Function):
-    """Identity on the layer's output: its backward runs first of the layer's backward."""
+class _CallOnBackward(torch.autograd.Function):
+    """Identity whose backward calls `action()`: on the layer's output it runs first of the layer's
+    backward (open the range), on its input when the layer's input gradient is complete (close it)."""
 
     @staticmethod
-    def forward(ctx, x, rng):
-        ctx.rng = rng
+    def forward(ctx, x, action):
+        ctx.action = action
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.rng.open()
-        return grad, None
-
-
-class _CloseOnBackward(torch.autograd.Function):
-    """Identity on the layer's input: its backward runs when the layer's input gradient is complete."""
-
-    @staticmethod
-    def forward(ctx, x, rng):
-        ctx.rng = rng
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.rng.close()
+        ctx.action()
         return grad, None
 
 
@@ -88,14 +75,14 @@ class _MoERanges:
         module._profile_bwd = _Range(MOE_BACKWARD)
         x = args[0]
         if torch.is_grad_enabled() and x.requires_grad:
-            return (_CloseOnBackward.apply(x, module._profile_bwd), *args[1:])
+            return (_CallOnBackward.apply(x, module._profile_bwd.close), *args[1:])
         return None
 
     @staticmethod
     def _post(module, args, output):
         module._profile_fwd.close()
         if torch.is_grad_enabled() and isinstance(output, tuple) and output[0].requires_grad:
-            return (_OpenOnBackward.apply(output[0], module._profile_bwd), *output[1:])
+            return (_CallOnBackward.apply(output[0], module._profile_bwd.open), *output[1:])
         return None
 
     def remove(self):
