@@ -18,13 +18,16 @@ class PendingVerdict:
 
 @dataclass
 class BufferSession:
-    """call_count is the call epoch every rank tags its status word with (all ranks must agree);
-    pending holds verdicts of earlier calls not yet read on the host (device executors raise
-    them at a later call); side_stream is where the shared experts overlap the routed path."""
+    """call_count is the call epoch (forward and backward calls alike) every rank tags its status
+    word and barriers with (all ranks must agree); pending holds verdicts of earlier calls not yet
+    read on the host (device executors raise them at a later call); side_stream is where the
+    shared experts overlap the routed path; call_stream is the one stream calls may run on (two
+    streams would race on the buffer's regions)."""
 
     call_count: int = 0
     pending: list[PendingVerdict] = field(default_factory=list)
     side_stream: torch.cuda.Stream | None = None
+    call_stream: torch.cuda.Stream | None = None
 
     def next_call(self) -> int:
         self.call_count += 1
@@ -48,6 +51,18 @@ class BufferSession:
         while self.pending and self.pending[0].done.query():
             out.append(self.pending.pop(0))
         return out
+
+    def check_stream(self, stream: torch.cuda.Stream) -> str | None:
+        """The first call binds the buffer to its stream; a call on another stream is refused.
+        Graph capture (on torch.cuda.graph's own stream) is exempt: its replays run in order."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if self.call_stream is None:
+            self.call_stream = stream
+        elif stream != self.call_stream:
+            return (f"stream: this buffer's calls run on {self.call_stream}, this call on {stream}; calls on two "
+                    "streams would race on one buffer (give each stream a buffer of its own: SymmBuffer(group, config, device))")
+        return None
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if self.side_stream is None:
