@@ -153,6 +153,8 @@ def _guarded(step):
 
     def run(executor, buf: SymmBuffer, *args, **kwargs):
         buf.check_usable()
+        if buf.device.type == "cuda":
+            buf.session.follow_previous_call(torch.cuda.current_stream(buf.device))
         try:
             return step(executor, buf, *args, **kwargs)
         except (MegaMoEInputError, MegaMoECallMismatchError):
@@ -267,10 +269,6 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]."""
     cfg = buf.config
     R, T = buf.world_size, saved.num_tokens
-    if buf.device.type == "cuda":
-        problem = buf.session.check_stream(torch.cuda.current_stream(buf.device))
-        if problem is not None:  # a local error: it marks the buffer failed (see _guarded)
-            raise RuntimeError(f"mega_moe backward (rank {buf.rank}): {problem}")
 
     # 1. Publish dY; the shared experts' backward overlaps and fills this rank's own partial row.
     buf.regions().grad_y[:T].copy_(grad_y)

@@ -21,8 +21,7 @@ class BufferSession:
     """call_count is the call epoch (forward and backward calls alike) every rank tags its status
     word and barriers with (all ranks must agree); pending holds verdicts of earlier calls not yet
     read on the host (device executors raise them at a later call); side_stream is where the
-    shared experts overlap the routed path; call_stream is the one stream calls may run on (two
-    streams would race on the buffer's regions)."""
+    shared experts overlap the routed path; call_stream is the stream of the latest call."""
 
     call_count: int = 0
     pending: list[PendingVerdict] = field(default_factory=list)
@@ -52,17 +51,15 @@ class BufferSession:
             out.append(self.pending.pop(0))
         return out
 
-    def check_stream(self, stream: torch.cuda.Stream) -> str | None:
-        """The first call binds the buffer to its stream; a call on another stream is refused.
-        Graph capture (on torch.cuda.graph's own stream) is exempt: its replays run in order."""
+    def follow_previous_call(self, stream: torch.cuda.Stream):
+        """Calls on one buffer never overlap on the device: a call on another stream than the
+        previous call's first waits for that stream (two streams would race on the regions).
+        Skipped while capturing: torch.cuda.graph synchronizes the device before capture."""
         if torch.cuda.is_current_stream_capturing():
-            return None
-        if self.call_stream is None:
-            self.call_stream = stream
-        elif stream != self.call_stream:
-            return (f"stream: this buffer's calls run on {self.call_stream}, this call on {stream}; calls on two "
-                    "streams would race on one buffer (give each stream a buffer of its own: SymmBuffer(group, config, device))")
-        return None
+            return
+        if self.call_stream is not None and stream != self.call_stream:
+            stream.wait_stream(self.call_stream)
+        self.call_stream = stream
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if self.side_stream is None:

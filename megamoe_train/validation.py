@@ -67,6 +67,4 @@ def check_inputs(
         if lo < -1 or hi >= cfg.num_experts:
             bad = lo if lo < -1 else hi
             return f"topk_idx: expert id {bad} is outside [0, {cfg.num_experts}) (use -1 to mask a slot)"
-    if dev.type == "cuda":
-        return buffer.session.check_stream(torch.cuda.current_stream(dev))
     return None
