@@ -386,7 +386,10 @@ class SymmBuffer:
             return
         _forget(self)
         if self._failure is None:
-            self.barrier()  # no peer may still be reading or writing our memory
+            try:
+                self.barrier()  # no peer may still be reading or writing our memory
+            except MegaMoEPeerError:
+                pass  # a peer failed or is gone; our mapping of its file stays valid until we close it
         self._regions = []
         self.session = BufferSession()
         self._transport.close()
