@@ -158,7 +158,7 @@ class _SharedMemoryPeers:
                 + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
             )
 
-    def barrier(self, tag: int):
+    def barrier(self, tag: int = 0):
         me = self.headers[self.rank]
         self.arrived += 1
         n = self.arrived
@@ -258,9 +258,9 @@ class _CudaSymmetricPeers:
             raise RuntimeError("symmetric memory: the local buffer does not start at its symmetric base address")
         # Base address of every rank's buffer, for kernels that address peers directly.
         self.base_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        self.barrier()
+        self.barrier(0)
 
-    def barrier(self, tag: int):
+    def barrier(self, tag: int = 0):
         # device-side barrier over the signal pads; traps (a loud CUDA error) after the timeout.
         # It carries no tag: on CUDA the status words (the call's epoch, layer and phase) and the
         # host-side failure mark of SymmBuffer keep calls paired (docs/protocol.md).
