@@ -16,7 +16,7 @@ from test_mega_moe_dist import BASE, make_problem, rel_err
 from dense_moe import dense_moe
 from megamoe_train import MegaMoEConfig, MegaMoEInputError, MegaMoELayer, get_symm_buffer, mega_moe
 
-SHORT_TIMEOUT_S = 3  # the buffers' timeout in the tests where a rank goes missing
+SHORT_TIMEOUT_S = 2  # the buffers' timeout in the tests where a rank goes missing
 
 
 def _rank_inputs(rank, world, seed=5, tokens=12):
@@ -93,7 +93,7 @@ def test_layers_sharing_a_buffer_in_the_same_order(rank_pools):
 def absent_at_creation(rank, world, absent):
     cfg = MegaMoEConfig(**BASE)
     if rank == absent:
-        time.sleep(SHORT_TIMEOUT_S + 4)
+        time.sleep(SHORT_TIMEOUT_S + 1.5)
         return None
     start = time.monotonic()
     with pytest.raises((TimeoutError, RuntimeError)) as err:
@@ -121,7 +121,7 @@ def absent_at_call(rank, world, absent):
     buf = get_symm_buffer(None, cfg, timeout_s=SHORT_TIMEOUT_S)
     mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)  # one good call first
     if rank == absent:
-        time.sleep(SHORT_TIMEOUT_S + 4)
+        time.sleep(SHORT_TIMEOUT_S + 1.5)
         return None
     start = time.monotonic()
     with pytest.raises((TimeoutError, RuntimeError)) as err:
