@@ -87,18 +87,20 @@ class _SharedMemoryPeers:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.arrived = 0
         self.maps, self.headers, self.peers = [], [], []
-        paths = [f"/dev/shm/megamoe-{_agree_token(group, self.rank, timeout_s)}-{r}" for r in range(self.world)]
+        token = _agree_token(group, self.rank, timeout_s)
+        paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
         try:
-            try:
-                self._create(paths[self.rank], nbytes, description)
-                self._map_all(paths)
-                self.barrier(0)  # every rank mapped every file
-            finally:
-                _unlink(paths[self.rank])  # mapped everywhere (or failed): nothing left behind on exit
+            self._create(paths[self.rank], nbytes, description)
+            self._map_all(paths)
+            self.barrier(0)  # every rank mapped every file
+            _unlink(paths[self.rank])  # mapped everywhere: nothing is left behind on exit
             self._compare(description)
         except BaseException:
             self.mark_failed(0)
             self.close()
+            for path in paths:  # peers' files too: a peer that died before its cleanup leaves none
+                _unlink(path)
+                _unlink(path + ".tmp")
             raise
         self.peers = [torch.frombuffer(m, dtype=torch.uint8)[_HEADER_BYTES:] for m in self.maps]
 
