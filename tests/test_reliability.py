@@ -177,6 +177,20 @@ def test_rank_failing_between_barriers_fails_its_peers(rank_pools):
     rank_pools(2).run(rank_fails_between_barriers)
 
 
+def barriers_of_different_calls(rank, world):
+    cfg = MegaMoEConfig(**BASE)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    buf.barrier(7 * 4 + 1)  # both at barrier 1 of call 7: passes
+    with pytest.raises(RuntimeError, match="out of step"):
+        buf.barrier((8 if rank == 0 else 9) * 4 + 1)
+    with pytest.raises(RuntimeError, match="unusable"):
+        buf.barrier(10 * 4 + 1)
+
+
+def test_barriers_of_different_calls_never_pair(rank_pools):
+    rank_pools(2).run(barriers_of_different_calls)
+
+
 # ----------------------------------------------------------------------------- bad input and configs
 
 
