@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
+from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .expert_math import shared_backward, shared_forward, store_act
 from .plan import Plan, build_plan, owner_mask
 from .symm_buffer import SymmBuffer
-from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .weights import ExpertWeights
 
 STATUS_OK, STATUS_BAD = 1, 2
@@ -257,8 +257,8 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         buf.session.defer(status, call)
 
     saved = SavedForward(
-        num_tokens=T, call=call, layer_id=layer_id, own_mask=own_mask, partial_mask=partial_mask, plan=plan, experts=experts,
-        x=x if shared is not None else None, shared_pre_act=shared_pre_act,
+        num_tokens=T, call=call, layer_id=layer_id, own_mask=own_mask, partial_mask=partial_mask, plan=plan,
+        experts=experts, x=x if shared is not None else None, shared_pre_act=shared_pre_act,
     )
     return y, saved
 

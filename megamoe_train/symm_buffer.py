@@ -61,7 +61,9 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
     token = torch.zeros(16, dtype=torch.uint8)
     if rank == 0:
         token.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
-        works = {r: dist.isend(token, dst=dist.get_global_rank(group, r), group=group, tag=_TOKEN_TAG) for r in range(1, world)}
+        works = {
+            r: dist.isend(token, dst=dist.get_global_rank(group, r), group=group, tag=_TOKEN_TAG) for r in range(1, world)
+        }
     else:
         works = {0: dist.irecv(token, src=dist.get_global_rank(group, 0), group=group, tag=_TOKEN_TAG)}
     deadline = time.monotonic() + timeout_s
@@ -73,7 +75,9 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
         except RuntimeError:
             pending.append(r)
     if pending:
-        raise MegaMoEPeerError(f"SymmBuffer creation (rank {rank}): {_name_ranks(pending)} did not join within {timeout_s}s")
+        raise MegaMoEPeerError(
+            f"SymmBuffer creation (rank {rank}): {_name_ranks(pending)} did not join within {timeout_s}s"
+        )
     return bytes(token.tolist()).hex()
 
 
