@@ -234,3 +234,29 @@ def test_configs_that_differ_raise_and_leave_no_shm_file(differ):
     assert all("rank 1" in m or "ranks [1]" in m or "rank 0" in m for m in messages), messages
     left = set(glob.glob("/dev/shm/megamoe-*")) - before
     assert not left, left
+
+
+def creation_with_a_rank_that_dies(rank, world):
+    """Rank 1 dies right after writing its file; rank 0 times out and removes both files."""
+    import os
+
+    from megamoe_train import symm_buffer
+
+    cfg = MegaMoEConfig(**BASE)
+    if rank == 1:
+        symm_buffer._SharedMemoryPeers._map_all = lambda self, paths: os._exit(3)
+    with pytest.raises(RuntimeError, match="rank 1 did not reach"):
+        get_symm_buffer(None, cfg, timeout_s=SHORT_TIMEOUT_S)
+    return True
+
+
+def test_rank_dying_at_creation_leaves_no_shm_file():
+    before = set(glob.glob("/dev/shm/megamoe-*"))
+    pool = RankPool(2)
+    try:
+        with pytest.raises(TimeoutError, match="did not finish"):  # rank 1 never reports: it died
+            pool.run(creation_with_a_rank_that_dies, timeout=SHORT_TIMEOUT_S + 10)
+    finally:
+        pool.close(force=True)
+    left = set(glob.glob("/dev/shm/megamoe-*")) - before
+    assert not left, left
