@@ -26,7 +26,8 @@ status has reached the host, or at once with MEGAMOE_SYNC_CHECKS=1.
 
 Failures: barriers carry the call and step (tag = epoch * 4 + step). A rank that raises anywhere
 else than at those agreed points (an unexpected host exception, a peer timeout) marks the buffer
-failed: its peers raise at their next barrier and every later call on the buffer raises.
+failed: its peers raise at their next barrier (on CPU; on CUDA it times out) and every later
+call on the buffer raises.
 """
 
 from __future__ import annotations
