@@ -4,14 +4,16 @@ from .autograd import mega_moe
 from .config import MegaMoEConfig
 from .layer import MegaMoELayer
 from .precision import RECIPES, PrecisionRecipe
-from .symm_buffer import SymmBuffer, destroy_all_symm_buffers, get_symm_buffer
-from .validation import MegaMoEInputError
+from .symm_buffer import SymmBuffer, destroy_all_symm_buffers, get_symm_buffer, register_layer
+from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError
 from .weights import ExpertWeights, transform_weights
 
 __all__ = [
     "ExpertWeights",
     "MegaMoEConfig",
+    "MegaMoECallMismatchError",
     "MegaMoEInputError",
+    "MegaMoEPeerError",
     "MegaMoELayer",
     "PrecisionRecipe",
     "RECIPES",
@@ -19,5 +21,6 @@ __all__ = [
     "destroy_all_symm_buffers",
     "get_symm_buffer",
     "mega_moe",
+    "register_layer",
     "transform_weights",
 ]

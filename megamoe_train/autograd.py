@@ -14,10 +14,10 @@ class MegaMoEFunction(torch.autograd.Function):
     """Forward and backward each run one pass of the backend's protocol over the buffer."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats):
+    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats, layer_id):
         weights = transform_weights(w1, w2, buffer.config)
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
-        y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None)
+        y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id)
         ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
         ctx.master = (w1.detach(), w2.detach())
         ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
@@ -44,6 +44,7 @@ class MegaMoEFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -59,6 +60,7 @@ def mega_moe(
     shared_w2: torch.Tensor | None = None,
     recv_stats: torch.Tensor | None = None,
     backend: str = "auto",
+    layer_id: int = 0,
 ) -> torch.Tensor:
     """Expert-parallel MoE over the group of `buffer`: dispatch by pull, two expert GEMMs with
     SwiGLU, combine by push.
@@ -76,5 +78,5 @@ def mega_moe(
         buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device
     )
     if problem is not None:  # still take part in the status exchange so peers fail too
-        be.forward(buffer, None, None, None, None, None, None, problem)
-    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats)
+        be.forward(buffer, None, None, None, None, None, None, problem, layer_id)
+    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats, layer_id)

@@ -10,7 +10,7 @@ from torch import nn
 
 from .autograd import mega_moe
 from .config import MegaMoEConfig
-from .symm_buffer import SymmBuffer, get_symm_buffer
+from .symm_buffer import SymmBuffer, get_symm_buffer, register_layer
 
 
 class MegaMoELayer(nn.Module):
@@ -46,6 +46,7 @@ class MegaMoELayer(nn.Module):
         if buffer is not None:
             self._check_buffer(buffer)
         self._buffer = buffer
+        self.layer_id = register_layer(self.process_group)  # names its calls in the status words
         dtype = params_dtype or config.dtype
         E, H, I = self.num_local_experts, config.hidden, config.intermediate
         self.w1 = nn.Parameter(torch.empty(E, 2 * I, H, device=device, dtype=dtype))
@@ -102,6 +103,7 @@ class MegaMoELayer(nn.Module):
             shared_w2=self.shared_w2,
             recv_stats=self.expert_recv_stats,
             backend=self.backend,
+            layer_id=self.layer_id,
         )
 
     def extra_repr(self) -> str:

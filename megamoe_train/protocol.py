@@ -3,8 +3,9 @@
 Forward, on every rank r of R (all ranks call together; see docs/protocol.md):
   1. publish: x (stored per recipe), topk ids (out-of-range ids masked to -1) and topk
      weights into r's buffer;
-  2. status exchange: r's verdict on its input and the call epoch into every peer's status
-     word; barrier. A bad input anywhere means no rows move in this call, on every rank;
+  2. status exchange: r's verdict on its input and the call's name (epoch, layer id, phase)
+     into every peer's status word; barrier. A bad input anywhere, or ranks in different calls,
+     means no rows move in this call, on every rank;
   3. plan: r reads every source's ids and builds its pool plan (plan.py);
   4. pull: each (source, token) with slots on r's experts is pulled once (with its scales and
      topk weights) and written into the pool row of each of those slots;
@@ -13,7 +14,8 @@ Forward, on every rank r of R (all ranks call together; see docs/protocol.md):
      ascending slot order and pushed home as one partial row; barrier;
   7. reduce: home sums the partials of the owners in rank order 0..R-1, then its shared
      experts' row, in fp32: bitwise deterministic.
-Backward mirrors it with the saved plan: publish dY, barrier, pull dY once per (source, token),
+Backward mirrors it with the saved plan: publish dY, status exchange (its own epoch, phase
+"backward of forward call n"), barrier, pull dY once per (source, token),
 expert backward, push one dX partial per (owner, token) and d(topk weight) per slot straight
 into the home's [T, K] region, barrier, reduce.
 
@@ -21,6 +23,11 @@ Verdicts: executors that may read the device on the host (the oracle, and every 
 CPU) raise on every rank right after the exchange. The fast GPU executor keeps the host free
 (CUDA-graph capturable): a bad call moves no rows and is raised at a later call once its
 status has reached the host, or at once with MEGAMOE_SYNC_CHECKS=1.
+
+Failures: barriers carry the call and step (tag = epoch * 4 + step). A rank that raises anywhere
+else than at those agreed points (an unexpected host exception, a peer timeout) marks the buffer
+failed: its peers raise at their next barrier (on CPU; on CUDA it times out) and every later
+call on the buffer raises.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from typing import Any
 
 import torch
 
+from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .expert_math import shared_backward, shared_forward, store_act
 from .plan import Plan, build_plan, owner_mask
 from .symm_buffer import SymmBuffer
-from .validation import MegaMoEInputError
 from .weights import ExpertWeights
 
 STATUS_OK, STATUS_BAD = 1, 2
+BARRIER_EXCHANGED, BARRIER_PUSHED = 1, 2  # the two barrier steps of a call (tag = epoch * 4 + step)
 
 
 @dataclass
@@ -45,6 +53,8 @@ class SavedForward:
     """What backward needs from forward (nothing that lives in the buffer, which later calls reuse)."""
 
     num_tokens: int
+    call: int  # the forward's epoch: the backward's status word names it
+    layer_id: int
     own_mask: torch.Tensor  # bool [T, K]: slots of this rank's tokens that carried rows
     partial_mask: torch.Tensor  # bool [T, R]: owners that pushed a partial row per token
     plan: Plan
@@ -62,6 +72,17 @@ def _sync_checks(buf: SymmBuffer, executor) -> bool:
     return os.environ.get("MEGAMOE_SYNC_CHECKS", "0") not in ("", "0")
 
 
+def _phase(call: int, forward_call: int | None) -> int:
+    """Status word 3: 2n for forward call n, 2n + 1 for the backward of forward call n."""
+    return 2 * call if forward_call is None else 2 * forward_call + 1
+
+
+def _describe_word(word) -> str:
+    epoch, layer, phase = (int(v) for v in word[1:4])
+    what = "forward" if phase % 2 == 0 else f"backward of forward call {phase // 2}"
+    return f"{what} of layer {layer} (call {epoch})"
+
+
 def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int, deferred: bool):
     bad = [r for r in range(status.shape[0]) if int(status[r, 0]) != STATUS_OK]
     if bad:
@@ -70,9 +91,18 @@ def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int, deferred: b
             what = "this rank's input was rejected (an expert id outside [0, num_experts) if nothing else was reported; use -1 to mask a slot); "
         effect = "that call moved no rows and its output holds only the shared experts" if deferred else "no rows were exchanged"
         raise MegaMoEInputError(f"mega_moe (rank {rank}, call {call}): {what}rank(s) {bad} rejected their input; {effect}")
-    epochs = status[:, 1].tolist()
-    if len(set(epochs)) != 1:
-        raise RuntimeError(f"mega_moe: ranks are at different calls of this buffer {epochs}; every rank must call each layer")
+    _raise_on_mismatch(status, rank, deferred)
+
+
+def _raise_on_mismatch(status: torch.Tensor, rank: int, deferred: bool):
+    names = status[:, 1:4].tolist()
+    if any(n != names[rank] for n in names):
+        ranks = "; ".join(f"rank {r}: {_describe_word(status[r])}" for r in range(status.shape[0]))
+        effect = "that call moved no rows" if deferred else "no rows were exchanged"
+        raise MegaMoECallMismatchError(
+            f"mega_moe (rank {rank}): the ranks are at different calls of this buffer ({ranks}); {effect}. Every "
+            "rank must call the layers sharing a buffer in the same order, forward and backward alike"
+        )
 
 
 def _raise_deferred(buf: SymmBuffer):
@@ -99,18 +129,45 @@ def _publish(buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tenso
     return torch.where(out_of_range.any(), STATUS_BAD, STATUS_OK).to(torch.int32)
 
 
-def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Verdict and call epoch into every peer's status word, then the call's first barrier.
-    Returns (status [R, 4] of this call, the call epoch)."""
+def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forward_call: int | None = None):
+    """Verdict and the call's name (epoch, layer id, phase) into every peer's status word, then
+    the call's first barrier. Returns (status [R, 4] of this call, the call epoch, whether every
+    rank accepted its input and is in this very call: a bool device scalar)."""
     call = buf.session.next_call()
     parity = call % 2
     word = torch.zeros(4, dtype=torch.int32, device=buf.device)
     word[0] = verdict
-    word[1].fill_(call)  # a fill, not a host-to-device copy: capturable
+    word[1].fill_(call)  # fills, not host-to-device copies: capturable
+    word[2].fill_(layer_id)
+    word[3].fill_(_phase(call, forward_call))
     for peer in range(buf.world_size):
         buf.regions(peer).status[parity, buf.rank].copy_(word)
-    buf.barrier()
-    return buf.regions().status[parity].clone(), call
+    buf.barrier(call * 4 + BARRIER_EXCHANGED)
+    status = buf.regions().status[parity].clone()
+    all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1:] == word[1:]).all()
+    return status, call, all_ok
+
+
+def _guarded(step):
+    """Run a protocol step; an exception other than those every rank raises at the same point
+    marks the buffer failed, so peers raise at their next barrier instead of pairing it wrongly."""
+
+    def run(executor, buf: SymmBuffer, *args, **kwargs):
+        buf.check_usable()
+        if buf.device.type == "cuda":
+            buf.session.follow_previous_call(torch.cuda.current_stream(buf.device))
+        try:
+            return step(executor, buf, *args, **kwargs)
+        except (MegaMoEInputError, MegaMoECallMismatchError):
+            raise
+        except BaseException as err:
+            call = buf.session.call_count
+            buf.fail(f"rank {buf.rank} failed in call {call} ({step.__name__}): {type(err).__name__}: {err}", call * 4)
+            raise
+
+    run.__name__ = step.__name__
+    run.__doc__ = step.__doc__
+    return run
 
 
 # ----------------------------------------------------------------------------- shared experts
@@ -142,9 +199,12 @@ def _join_shared(buf: SymmBuffer):
 # ----------------------------------------------------------------------------- forward / backward
 
 
-def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats, problem):
+@_guarded
+def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats, problem,
+            layer_id: int = 0):
     """One forward call. Returns (y [T, H] in config.dtype, SavedForward). With `problem` (this
-    rank's input is bad, x etc. are None) it takes part in the exchange and raises."""
+    rank's input is bad, x etc. are None) it takes part in the exchange and raises. layer_id
+    names the caller in the status word (layers sharing a buffer must differ)."""
     cfg = buf.config
     R, me, E_l, K = buf.world_size, buf.rank, buf.num_local_experts, cfg.topk
     T = x.shape[0] if problem is None else 0
@@ -152,18 +212,17 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     if not sync:
         _raise_deferred(buf)
 
-    # 1-2. Publish, exchange verdicts (the first barrier).
-    status, call = _exchange_status(buf, _publish(buf, x, topk_idx, topk_weights, problem))
+    # 1-2. Publish, exchange verdicts and call names (the first barrier).
+    status, call, all_ok = _exchange_status(buf, _publish(buf, x, topk_idx, topk_weights, problem), layer_id)
     if sync:  # every rank reads the verdicts now and raises at the same point
         host_status = status.cpu()
         if problem is not None:
             raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
         _raise_on_bad_status(host_status, me, call, deferred=False)
     elif problem is not None:  # peers route nothing this call; finish its barriers, then raise
-        buf.barrier()
+        buf.barrier(call * 4 + BARRIER_PUSHED)
         buf.session.defer(status, call)  # like its peers, this rank reports it again at the next call
         raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
-    all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1] == call).all()
 
     # Shared experts fill this rank's own partial row (index R), which no peer writes.
     shared_pre_act = None
@@ -190,7 +249,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     # 7. Barrier (shared experts joined first), then the fixed-order reduction.
     if shared is not None:
         _join_shared(buf)
-    buf.barrier()
+    buf.barrier(call * 4 + BARRIER_PUSHED)
     own_ids = buf.regions().topk_idx[:T]
     own_mask = (own_ids >= 0) & all_ok
     partial_mask = owner_mask(own_ids, R, E_l) & all_ok
@@ -199,12 +258,13 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         buf.session.defer(status, call)
 
     saved = SavedForward(
-        num_tokens=T, own_mask=own_mask, partial_mask=partial_mask, plan=plan, experts=experts,
-        x=x if shared is not None else None, shared_pre_act=shared_pre_act,
+        num_tokens=T, call=call, layer_id=layer_id, own_mask=own_mask, partial_mask=partial_mask, plan=plan,
+        experts=experts, x=x if shared is not None else None, shared_pre_act=shared_pre_act,
     )
     return y, saved
 
 
+@_guarded
 def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared, master):
     """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2);
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]."""
@@ -221,7 +281,11 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
             return dw1, dw2
 
         grad_shared = _run_shared(buf, shared_grads, saved.x, shared[0], shared[1], saved.shared_pre_act, grad_y)
-    buf.barrier()
+    ok = torch.full((), STATUS_OK, dtype=torch.int32, device=buf.device)
+    status, call, all_ok = _exchange_status(buf, ok, saved.layer_id, forward_call=saved.call)
+    sync = _sync_checks(buf, executor)
+    if sync:  # a rank that skipped this backward, or runs another, raises with its peers
+        _raise_on_mismatch(status.cpu(), buf.rank, deferred=False)
 
     # 2-4. Pull dY once per (source, token); expert backward; push dX partials and d(topk weight).
     pool_grad = executor.pull_grad(buf, saved.plan)
@@ -229,9 +293,14 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
     executor.push_partials(buf, saved.plan, dx_rows, row_weight_grads)
     if shared is not None:
         _join_shared(buf)
-    buf.barrier()
+    buf.barrier(call * 4 + BARRIER_PUSHED)
 
-    # 5. Reduce; masked slots get no weight gradient.
-    grad_x = executor.reduce_partials(buf, saved.partial_mask, T, shared is not None)
-    grad_tw = torch.where(saved.own_mask, buf.regions().topk_weight_grads[:T], 0.0)
+    # 5. Reduce; masked slots get no weight gradient. Without sync checks a mismatched call reads
+    # no partials (and is raised at a later call); its expert weight gradients are not masked.
+    partial_mask, own_mask = saved.partial_mask, saved.own_mask
+    if not sync:
+        partial_mask, own_mask = partial_mask & all_ok, own_mask & all_ok
+        buf.session.defer(status, call)
+    grad_x = executor.reduce_partials(buf, partial_mask, T, shared is not None)
+    grad_tw = torch.where(own_mask, buf.regions().topk_weight_grads[:T], 0.0)
     return grad_x, grad_tw, grad_w1, grad_w2, grad_shared[0], grad_shared[1]

@@ -18,13 +18,15 @@ class PendingVerdict:
 
 @dataclass
 class BufferSession:
-    """call_count is the call epoch every rank tags its status word with (all ranks must agree);
-    pending holds verdicts of earlier calls not yet read on the host (device executors raise
-    them at a later call); side_stream is where the shared experts overlap the routed path."""
+    """call_count is the call epoch (forward and backward calls alike) every rank tags its status
+    word and barriers with (all ranks must agree); pending holds verdicts of earlier calls not yet
+    read on the host (device executors raise them at a later call); side_stream is where the
+    shared experts overlap the routed path; call_stream is the stream of the latest call."""
 
     call_count: int = 0
     pending: list[PendingVerdict] = field(default_factory=list)
     side_stream: torch.cuda.Stream | None = None
+    call_stream: torch.cuda.Stream | None = None
 
     def next_call(self) -> int:
         self.call_count += 1
@@ -48,6 +50,16 @@ class BufferSession:
         while self.pending and self.pending[0].done.query():
             out.append(self.pending.pop(0))
         return out
+
+    def follow_previous_call(self, stream: torch.cuda.Stream):
+        """Calls on one buffer never overlap on the device: a call on another stream than the
+        previous call's first waits for that stream (two streams would race on the regions).
+        Skipped while capturing: torch.cuda.graph synchronizes the device before capture."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self.call_stream is not None and stream != self.call_stream:
+            stream.wait_stream(self.call_stream)
+        self.call_stream = stream
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if self.side_stream is None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import mmap
 import os
+import struct
+import time
 import uuid
 from dataclasses import dataclass, fields
 
@@ -22,45 +24,194 @@ import torch
 import torch.distributed as dist
 
 from .config import MegaMoEConfig
+from .errors import MegaMoEPeerError
 from .layout import BufferLayout, buffer_layout
 from .session import BufferSession
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class _SharedMemoryPeers:
-    """CPU transport: every rank's buffer is a /dev/shm file mapped into every process."""
+def _name_ranks(ranks) -> str:
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
-    def __init__(self, nbytes: int, group, timeout_s: float):
-        self.group = group
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        token = [uuid.uuid4().hex if rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-        paths = [f"/dev/shm/megamoe-{token[0]}-{r}" for r in range(world)]
-        fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+
+def _describe_tag(tag: int) -> str:
+    """Barrier tags: 0 for the buffer's own barriers (creation, destroy), call * 4 + step for the
+    protocol's (step 1 after the status exchange, step 2 before the reduction)."""
+    return "a buffer barrier (creation / destroy)" if tag == 0 else f"barrier {tag % 4} of call {tag // 4}"
+
+
+# One rank's /dev/shm file: a header page the transport owns, then the buffer. Header int64 words:
+_ARRIVED = 0  # barriers this rank has entered
+_TAG = 1  # words 1, 2: the tag of its latest barriers, by parity of the count
+_FAILED = 3  # the tag (+1) of the call in which this rank left the protocol; 0 while it is fine
+_DESCRIPTION_LEN = 4  # bytes of the description (config, group size, bytes) at _DESCRIPTION_AT
+_DESCRIPTION_AT = 64
+_HEADER_BYTES = 4096
+
+
+_TOKEN_TAG = 0x4D4D  # the p2p tag of the file name token (apart from the user's own sends)
+
+
+def _agree_token(group, rank: int, timeout_s: float) -> str:
+    """Rank 0's random file name stem, sent to each peer point to point, with a deadline that
+    holds on every rank and names the ranks that did not take it."""
+    world = dist.get_world_size(group)
+    token = torch.zeros(16, dtype=torch.uint8)
+    if rank == 0:
+        token.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
+        works = {
+            r: dist.isend(token, dst=dist.get_global_rank(group, r), group=group, tag=_TOKEN_TAG) for r in range(1, world)
+        }
+    else:
+        works = {0: dist.irecv(token, src=dist.get_global_rank(group, 0), group=group, tag=_TOKEN_TAG)}
+    deadline = time.monotonic() + timeout_s
+    pending = []
+    for r, work in works.items():  # a gloo send / recv honours the timeout of its wait
+        left = max(deadline - time.monotonic(), 1e-3)
         try:
-            os.ftruncate(fd, nbytes)  # zero-filled
+            work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError:
+            pending.append(r)
+    if pending:
+        raise MegaMoEPeerError(
+            f"SymmBuffer creation (rank {rank}): {_name_ranks(pending)} did not join within {timeout_s}s"
+        )
+    return bytes(token.tolist()).hex()
+
+
+class _SharedMemoryPeers:
+    """CPU transport: every rank's buffer is a /dev/shm file mapped into every process. Barriers
+    poll counters in the files' headers with a deadline, so the timeout holds on every rank and
+    names the missing ranks; each barrier carries a tag (the call and step) that peers compare."""
+
+    def __init__(self, nbytes: int, group, timeout_s: float, description: str):
+        self.timeout_s = timeout_s
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.arrived = 0
+        self.maps, self.headers, self.peers = [], [], []
+        token = _agree_token(group, self.rank, timeout_s)
+        paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
+        try:
+            self._create(paths[self.rank], nbytes, description)
+            self._map_all(paths)
+            self.barrier(0)  # every rank mapped every file
+            _unlink(paths[self.rank])  # mapped everywhere: nothing is left behind on exit
+            self._compare(description)
+        except BaseException:
+            self.mark_failed(0)
+            self.close()
+            for path in paths:  # peers' files too: a peer that died before its cleanup leaves none
+                _unlink(path)
+                _unlink(path + ".tmp")
+            raise
+        self.peers = [torch.frombuffer(m, dtype=torch.uint8)[_HEADER_BYTES:] for m in self.maps]
+
+    def _create(self, path: str, nbytes: int, description: str):
+        """Write the file under a temporary name, then rename: a peer sees it whole or not at all."""
+        text = description.encode()
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, _HEADER_BYTES + nbytes)  # zero-filled
+            os.pwrite(fd, struct.pack("q", len(text)), _DESCRIPTION_LEN * 8)
+            os.pwrite(fd, text[: _HEADER_BYTES - _DESCRIPTION_AT], _DESCRIPTION_AT)
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
         finally:
             os.close(fd)
-        self.barrier()
-        self.maps = []
-        for path in paths:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self.maps.append(mmap.mmap(fd, nbytes))
-            finally:
-                os.close(fd)
-        self.barrier()
-        os.unlink(paths[rank])  # every peer holds its mapping now; nothing is left behind on exit
-        self.peers = [torch.frombuffer(m, dtype=torch.uint8) for m in self.maps]
 
-    def barrier(self):
-        # monitored_barrier names the missing rank when a peer does not arrive in time.
-        dist.monitored_barrier(self.group, timeout=self.timeout, wait_all_ranks=True)
+    def _map_all(self, paths):
+        deadline = time.monotonic() + self.timeout_s
+        maps = [None] * self.world
+        while True:
+            for r, path in enumerate(paths):
+                if maps[r] is None:
+                    try:
+                        fd = os.open(path, os.O_RDWR)
+                    except FileNotFoundError:
+                        continue
+                    try:
+                        maps[r] = mmap.mmap(fd, os.fstat(fd).st_size)
+                    finally:
+                        os.close(fd)
+            missing = [r for r in range(self.world) if maps[r] is None]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                self.maps = [m for m in maps if m is not None]
+                raise MegaMoEPeerError(
+                    f"SymmBuffer creation (rank {self.rank}): {_name_ranks(missing)} did not create their buffer "
+                    f"within {self.timeout_s}s (absent, or failed before)"
+                )
+            time.sleep(1e-3)
+        self.maps = maps
+        self.headers = [memoryview(m)[:_HEADER_BYTES].cast("q") for m in maps]
+
+    def _compare(self, description: str):
+        texts = []
+        for h, m in zip(self.headers, self.maps):
+            n = min(h[_DESCRIPTION_LEN], _HEADER_BYTES - _DESCRIPTION_AT)
+            texts.append(m[_DESCRIPTION_AT : _DESCRIPTION_AT + n].decode())
+        differ = [r for r in range(self.world) if texts[r] != texts[0]]
+        if differ:
+            raise ValueError(
+                f"SymmBuffer creation (rank {self.rank}): {_name_ranks(differ)} built their buffer from another "
+                f"config than rank 0 (every rank must pass the same config): "
+                + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
+            )
+
+    def barrier(self, tag: int = 0):
+        me = self.headers[self.rank]
+        self.arrived += 1
+        n = self.arrived
+        me[_TAG + n % 2] = tag
+        me[_ARRIVED] = n  # after the tag: x86 keeps stores in order, and a peer reads the count first
+        pending = [r for r in range(self.world) if r != self.rank]
+        deadline, polls = None, 0
+        while pending:
+            waiting = []
+            for r in pending:
+                h = self.headers[r]
+                if h[_ARRIVED] >= n:  # a peer is at most one barrier ahead: slot n % 2 is still barrier n's
+                    if h[_TAG + n % 2] != tag:
+                        raise MegaMoEPeerError(
+                            f"rank {self.rank} at {_describe_tag(tag)} met rank {r} at {_describe_tag(h[_TAG + n % 2])}: "
+                            "the ranks are out of step"
+                        )
+                elif h[_FAILED]:
+                    where = "buffer creation" if h[_FAILED] == 1 else f"call {(h[_FAILED] - 1) // 4}"
+                    raise MegaMoEPeerError(
+                        f"rank {r} failed in {where} and left the protocol (rank {self.rank} was waiting at "
+                        f"{_describe_tag(tag)})"
+                    )
+                else:
+                    waiting.append(r)
+            pending = waiting
+            if pending:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    raise MegaMoEPeerError(
+                        f"rank {self.rank}: {_name_ranks(pending)} did not reach {_describe_tag(tag)} within "
+                        f"{self.timeout_s}s (absent, hung, or stuck in another collective)"
+                    )
+                polls += 1
+                time.sleep(0 if polls < 200 else 1e-4)
+
+    def mark_failed(self, tag: int):
+        """Tell the peers (waiting at a barrier) that this rank left the protocol in call `tag // 4`."""
+        if self.headers and not self.headers[self.rank][_FAILED]:
+            self.headers[self.rank][_FAILED] = tag + 1
 
     def close(self):
         self.peers = []
+        for h in self.headers:
+            h.release()
+        self.headers = []
         for m in self.maps:
             try:
                 m.close()
@@ -69,12 +220,33 @@ class _SharedMemoryPeers:
         self.maps = []
 
 
+def _unlink(path: str):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _check_same_description(group, description: str):
+    """Every rank's buffer description equals rank 0's (CUDA creation; the CPU transport compares
+    the descriptions in its files' headers instead)."""
+    texts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, description, group=group)
+    differ = [r for r, t in enumerate(texts) if t != texts[0]]
+    if differ:
+        raise ValueError(
+            f"SymmBuffer creation: {_name_ranks(differ)} built their buffer from another config than rank 0 "
+            "(every rank must pass the same config): " + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
+        )
+
+
 class _CudaSymmetricPeers:
     """CUDA transport: PyTorch symmetric memory (CUDA P2P backend)."""
 
-    def __init__(self, nbytes: int, group, device: torch.device, timeout_s: float):
+    def __init__(self, nbytes: int, group, device: torch.device, timeout_s: float, description: str):
         from torch.distributed import _symmetric_memory as symm_mem
 
+        _check_same_description(group, description)
         self.timeout_ms = int(timeout_s * 1000)
         group_name = group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
@@ -92,11 +264,16 @@ class _CudaSymmetricPeers:
             raise RuntimeError("symmetric memory: the local buffer does not start at its symmetric base address")
         # Base address of every rank's buffer, for kernels that address peers directly.
         self.base_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        self.barrier()
+        self.barrier(0)
 
-    def barrier(self):
-        # device-side barrier over the signal pads; traps (a loud CUDA error) after the timeout
+    def barrier(self, tag: int = 0):
+        # device-side barrier over the signal pads; traps (a loud CUDA error) after the timeout.
+        # It carries no tag: on CUDA the status words (the call's epoch, layer and phase) and the
+        # host-side failure mark of SymmBuffer keep calls paired (docs/protocol.md).
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def mark_failed(self, tag: int):
+        pass  # peers are not told; their next device barrier times out (docs/protocol.md)
 
     def close(self):
         self.peers = []
@@ -109,7 +286,7 @@ class _CudaSymmetricPeers:
 class BufferRegions:
     """One rank's buffer as typed views (names and order from layout.py / csrc/layout.cpp)."""
 
-    status: torch.Tensor  # int32 [2, R, 4]: (verdict, call epoch, -, -) per source, by call parity
+    status: torch.Tensor  # int32 [2, R, 4]: (verdict, call epoch, layer id, phase) per source, by call parity
     x: torch.Tensor  # [T, H] published input rows, recipe storage format
     x_scales: torch.Tensor | None  # [T, H / act_block] their scales (quantized recipes only)
     topk_idx: torch.Tensor  # int32 [T, K] published expert ids (-1: no row)
@@ -137,10 +314,12 @@ class SymmBuffer:
         names = {f.name for f in fields(BufferRegions)}
         if not set(self.layout.regions) <= names:
             raise RuntimeError(f"SymmBuffer: layout regions {sorted(self.layout.regions)} do not match BufferRegions")
+        description = f"{config!r} on {self.world_size} ranks, {self.layout.nbytes} bytes"
         if self.device.type == "cuda":
-            self._transport = _CudaSymmetricPeers(self.layout.nbytes, group, self.device, timeout_s)
+            self._transport = _CudaSymmetricPeers(self.layout.nbytes, group, self.device, timeout_s, description)
         else:
-            self._transport = _SharedMemoryPeers(self.layout.nbytes, group, timeout_s)
+            self._transport = _SharedMemoryPeers(self.layout.nbytes, group, timeout_s, description)
+        self._failure: str | None = None
         self._regions = []
         for raw in self._transport.peers:
             views = dict.fromkeys(names)
@@ -151,7 +330,24 @@ class SymmBuffer:
 
     @property
     def alive(self) -> bool:
-        return bool(self._regions)
+        return bool(self._regions) and self._failure is None
+
+    def check_usable(self):
+        if not self._regions:
+            raise RuntimeError("SymmBuffer: used after destroy()")
+        if self._failure is not None:
+            raise MegaMoEPeerError(
+                f"SymmBuffer (rank {self.rank}): unusable since {self._failure}; get_symm_buffer makes a new one "
+                "(collectively, on every rank)"
+            )
+
+    def fail(self, reason: str, tag: int = 0):
+        """This rank leaves the protocol of this buffer (at call `tag // 4`): peers waiting at a
+        barrier raise at once instead of timing out, and every later call here raises."""
+        if self._failure is None:
+            self._failure = reason
+            _forget(self)
+            self._transport.mark_failed(tag)
 
     @property
     def nbytes(self) -> int:
@@ -164,13 +360,20 @@ class SymmBuffer:
 
     def regions(self, rank: int | None = None) -> BufferRegions:
         """Typed views of `rank`'s buffer (this rank's by default)."""
-        if not self._regions:
-            raise RuntimeError("SymmBuffer: used after destroy()")
+        if not self._regions or self._failure is not None:
+            self.check_usable()
         return self._regions[self.rank if rank is None else rank]
 
-    def barrier(self):
-        """Cross-rank barrier: all writes any rank made before it are visible after it."""
-        self._transport.barrier()
+    def barrier(self, tag: int = 0):
+        """Cross-rank barrier: all writes any rank made before it are visible after it. `tag`
+        names the protocol step (call * 4 + step); on CPU a peer at another tag, a failed peer or
+        one missing past the timeout raises MegaMoEPeerError here, and the buffer is unusable."""
+        self.check_usable()
+        try:
+            self._transport.barrier(tag)
+        except MegaMoEPeerError as err:
+            self.fail(str(err), tag)
+            raise
 
     @property
     def peer_base_ptrs(self) -> torch.Tensor:
@@ -187,8 +390,12 @@ class SymmBuffer:
         """Free the buffer on every rank (collective)."""
         if not self._regions:
             return
-        _BUFFERS.pop(_cache_key(self.group, self.config, self.device), None)
-        self.barrier()  # no peer may still be reading or writing our memory
+        _forget(self)
+        if self._failure is None:
+            try:
+                self.barrier()  # no peer may still be reading or writing our memory
+            except MegaMoEPeerError:
+                pass  # a peer failed or is gone; our mapping of its file stays valid until we close it
         self._regions = []
         self.session = BufferSession()
         self._transport.close()
@@ -201,6 +408,24 @@ class SymmBuffer:
 
 
 _BUFFERS: dict[tuple, SymmBuffer] = {}
+
+
+_LAYER_COUNTS: dict[int, int] = {}
+
+
+def _forget(buf: SymmBuffer):
+    key = _cache_key(buf.group, buf.config, buf.device)
+    if _BUFFERS.get(key) is buf:
+        del _BUFFERS[key]
+
+
+def register_layer(group) -> int:
+    """A layer id for the status words of its calls: layers of one group are numbered in the
+    order they are built, which is the same program order on every rank, so ranks agree on the
+    ids without communicating (layers of equal config share a buffer; the id tells them apart)."""
+    key = id(_resolve_group(group))
+    _LAYER_COUNTS[key] = _LAYER_COUNTS.get(key, 0) + 1
+    return _LAYER_COUNTS[key]
 
 
 def _resolve_group(group):

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from .errors import MegaMoEInputError
 from .symm_buffer import SymmBuffer
 
-
-class MegaMoEInputError(ValueError):
-    """Bad input on this rank or on a peer; the buffer stays usable for the next call."""
+__all__ = ["MegaMoEInputError", "check_inputs"]
 
 
 def _check_tensor(name, t, shape, dtypes, device) -> str | None:
     if not isinstance(t, torch.Tensor):
         return f"{name}: expected a torch.Tensor, got {type(t).__name__}"
+    if t.layout != torch.strided:  # sparse, CSR, mkldnn: the protocol reads dense rows
+        return f"{name}: expected a dense (strided) tensor, got layout {t.layout}"
     if tuple(t.shape) != tuple(shape):
         return f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}"
     if t.dtype not in dtypes:
@@ -35,6 +36,8 @@ def check_inputs(
     cfg = buffer.config
     dev = buffer.device
     floats = (torch.float32, torch.bfloat16, torch.float16)
+    if isinstance(x, torch.Tensor) and x.layout != torch.strided:
+        return f"x: expected a dense (strided) tensor, got layout {x.layout}"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return f"x: expected a 2-D tensor [tokens, {cfg.hidden}], got {getattr(x, 'shape', type(x).__name__)}"
     T = x.shape[0]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
+from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe, register_layer
 
 from .config import MegaMoEConfigError, megamoe_config, megamoe_enabled, validate_megamoe
 from .experts import MegaMoEExperts, native_expert_weights
@@ -65,6 +65,7 @@ class MegaMoECall:
         self.num_local_experts = num_local_experts
         self.max_tokens = config.moe_megamoe_max_tokens_per_rank
         self._mm_configs: dict[torch.dtype, MegaMoEConfig] = {}
+        self.layer_id = register_layer(ep_group)  # layers of equal shape share a buffer; this tells them apart
 
     def _agree_max_tokens(self, tokens: int, device: torch.device) -> int:
         t = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -102,6 +103,7 @@ class MegaMoECall:
             buffer,
             recv_stats=recv_stats,
             backend=self.config.moe_megamoe_backend,
+            layer_id=self.layer_id,
             **shared,
         )
 

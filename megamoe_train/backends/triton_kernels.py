@@ -51,7 +51,7 @@ def _pull_expand_kernel(
                 m = (c + cols) < width
                 v = tl.load(row + c + cols, mask=m)
                 for k in tl.static_range(TOPK):
-                    dest = tl.load(recv_rows + u * TOPK + k).to(tl.int64)
+                    dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
                     tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + cols, v, mask=m & (dest >= 0))
     else:
         num_rows = tl.load(num_rows_ptr)
@@ -110,13 +110,13 @@ def _push_partials_kernel(
             m = (c + cols) < width
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for k in tl.static_range(TOPK):
-                d = tl.load(recv_rows + u * TOPK + k).to(tl.int64)
+                d = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
                 v = tl.load(rows + tl.maximum(d, 0) * rows_stride + c + cols, mask=m & (d >= 0), other=0.0)
                 acc += v.to(tl.float32)
             tl.store(dst + c + cols, acc.to(OUT), mask=m)
         if WITH_SCALAR:
             for k in tl.static_range(TOPK):
-                d = tl.load(recv_rows + u * TOPK + k)
+                d = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k)
                 if d >= 0:
                     sp = (base + scalar_region_offset + (tok * TOPK + k) * 4).to(tl.pointer_type(tl.float32))
                     tl.store(sp, tl.load(scalars + d))
@@ -292,9 +292,11 @@ def _reduce_partials_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for r in range(0, num_ranks):
         m = tl.load(mask + rows * num_ranks + r, mask=rmask, other=0) != 0
-        acc += tl.load(partials + r * part_stride + offs, mask=m[:, None], other=0.0).to(tl.float32)
+        # int64 offsets: R * T * H passes 2^31 at T = 32768, H = 8192, R = 8
+        acc += tl.load(partials + tl.cast(r, tl.int64) * part_stride + offs, mask=m[:, None], other=0.0).to(tl.float32)
     if HAS_SHARED:
-        acc += tl.load(partials + num_ranks * part_stride + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
+        shared_row = tl.cast(num_ranks, tl.int64) * part_stride
+        acc += tl.load(partials + shared_row + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=rmask[:, None])
 
 

@@ -1,0 +1,262 @@
+"""Failures across ranks (issue 11), on real CPU processes (gloo + /dev/shm buffers, reference
+executor): ranks that diverge in which call they are in, ranks that are absent or fail between
+barriers, bad tensor layouts and configs that differ. Each must raise on every rank, within the
+configured timeout, and leave nothing behind."""
+
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+import torch
+
+from rank_pool import RankPool
+from test_mega_moe_dist import BASE, make_problem, rel_err
+from dense_moe import dense_moe
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, MegaMoELayer, get_symm_buffer, mega_moe
+
+SHORT_TIMEOUT_S = 2  # the buffers' timeout in the tests where a rank goes missing
+
+
+def _rank_inputs(rank, world, seed=5, tokens=12):
+    cfg = MegaMoEConfig(**BASE)
+    prob = make_problem(cfg, world, [tokens] * world, seed=seed)
+    E_l = cfg.num_experts // world
+    mine = slice(rank * E_l, (rank + 1) * E_l)
+    return cfg, prob, prob["w1"][mine], prob["w2"][mine]
+
+
+# ----------------------------------------------------------------------------- which call
+
+
+def layers_called_in_different_orders(rank, world):
+    cfg, prob, _, _ = _rank_inputs(rank, world)
+    torch.manual_seed(0)
+    first, second = MegaMoELayer(cfg), MegaMoELayer(cfg)  # same config: one shared buffer
+    assert first.buffer is second.buffer
+    order = (first, second) if rank == 0 else (second, first)
+    with pytest.raises(RuntimeError, match="different calls") as err:
+        order[0](prob["x"][rank], prob["idx"][rank], prob["w"][rank])
+    assert "layer" in str(err.value)
+    for layer in (first, second):
+        layer.buffer.destroy()
+
+
+def test_layer_order_divergence_raises_on_every_rank(rank_pools):
+    rank_pools(2).run(layers_called_in_different_orders)
+
+
+def one_rank_skips_backward(rank, world):
+    cfg, prob, _, _ = _rank_inputs(rank, world)
+    torch.manual_seed(0)
+    layer = MegaMoELayer(cfg)
+    x = prob["x"][rank].clone().requires_grad_()
+    y = layer(x, prob["idx"][rank], prob["w"][rank])
+    with pytest.raises(RuntimeError, match="different calls") as err:
+        if rank == 0:
+            (y * prob["gy"][rank]).sum().backward()
+        else:  # rank 1 skips its backward and goes on with the next forward
+            layer(x.detach(), prob["idx"][rank], prob["w"][rank])
+    assert "backward" in str(err.value) and "forward" in str(err.value)
+    layer.buffer.destroy()
+
+
+def test_skipped_backward_raises_on_every_rank(rank_pools):
+    rank_pools(2).run(one_rank_skips_backward)
+
+
+def same_order_still_matches(rank, world):
+    """Two layers on one buffer, called in the same order everywhere, forward and backward."""
+    cfg, prob, w1, w2 = _rank_inputs(rank, world, seed=9)
+    layers = [MegaMoELayer(cfg) for _ in range(2)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.w1.copy_(w1)
+            layer.w2.copy_(w2)
+    x = prob["x"][rank].clone().requires_grad_()
+    ys = [layer(x, prob["idx"][rank], prob["w"][rank]) for layer in layers]
+    sum((y * prob["gy"][rank]).sum() for y in ys).backward()
+    y_ref = dense_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], prob["w1"], prob["w2"], cfg)
+    for y in ys:
+        assert rel_err(y, y_ref) < 1e-5
+    layers[0].buffer.destroy()
+
+
+def test_layers_sharing_a_buffer_in_the_same_order(rank_pools):
+    rank_pools(2).run(same_order_still_matches)
+
+
+# ----------------------------------------------------------------------------- absent and failing ranks
+
+
+def absent_at_creation(rank, world, absent):
+    cfg = MegaMoEConfig(**BASE)
+    if rank == absent:
+        time.sleep(SHORT_TIMEOUT_S + 1.5)
+        return None
+    start = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError)) as err:
+        get_symm_buffer(None, cfg, timeout_s=SHORT_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    assert f"rank {absent}" in str(err.value) or f"ranks [{absent}]" in str(err.value), str(err.value)
+    return elapsed
+
+
+@pytest.mark.parametrize("absent", [0, 1])
+def test_absent_rank_at_creation_times_out_on_every_rank(absent):
+    before = set(glob.glob("/dev/shm/megamoe-*"))
+    pool = RankPool(2)
+    try:
+        elapsed = pool.run(absent_at_creation, absent, timeout=60)
+    finally:
+        pool.close(force=True)  # the ranks' gloo group saw an unfinished collective
+    assert elapsed[1 - absent] < SHORT_TIMEOUT_S + 2
+    left = set(glob.glob("/dev/shm/megamoe-*")) - before
+    assert not left, left
+
+
+def absent_at_call(rank, world, absent):
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=SHORT_TIMEOUT_S)
+    mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)  # one good call first
+    if rank == absent:
+        time.sleep(SHORT_TIMEOUT_S + 1.5)
+        return None
+    start = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError)) as err:
+        mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    assert f"rank {absent}" in str(err.value) or f"ranks [{absent}]" in str(err.value), str(err.value)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("absent", [0, 1])
+def test_absent_rank_at_call_times_out_on_every_rank(absent):
+    pool = RankPool(2)
+    try:
+        elapsed = pool.run(absent_at_call, absent, timeout=60)
+    finally:
+        pool.close(force=True)
+    assert elapsed[1 - absent] < SHORT_TIMEOUT_S + 2
+
+
+def rank_fails_between_barriers(rank, world):
+    from megamoe_train.backends.reference import ReferenceExecutor
+
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    original = ReferenceExecutor.experts_forward
+
+    def broken(self, *args):
+        raise MemoryError("injected host failure after the first barrier")
+
+    if rank == 1:
+        ReferenceExecutor.experts_forward = broken
+    start = time.monotonic()
+    try:
+        with pytest.raises((MemoryError, RuntimeError)) as err:
+            mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    finally:
+        ReferenceExecutor.experts_forward = original
+    elapsed = time.monotonic() - start
+    if rank == 0:
+        assert "rank 1 failed" in str(err.value), str(err.value)
+        assert elapsed < 5, elapsed  # told by the failing rank, not by the timeout
+    # the buffer refuses further calls on every rank instead of pairing barriers out of phase
+    with pytest.raises(RuntimeError, match="unusable"):
+        mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    # a fresh buffer works again
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    y = mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    y_ref = dense_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], prob["w1"], prob["w2"], cfg)
+    assert rel_err(y, y_ref) < 1e-5
+    buf.destroy()
+
+
+def test_rank_failing_between_barriers_fails_its_peers(rank_pools):
+    rank_pools(2).run(rank_fails_between_barriers)
+
+
+def barriers_of_different_calls(rank, world):
+    cfg = MegaMoEConfig(**BASE)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    buf.barrier(7 * 4 + 1)  # both at barrier 1 of call 7: passes
+    with pytest.raises(RuntimeError, match="out of step"):
+        buf.barrier((8 if rank == 0 else 9) * 4 + 1)
+    with pytest.raises(RuntimeError, match="unusable"):
+        buf.barrier(10 * 4 + 1)
+
+
+def test_barriers_of_different_calls_never_pair(rank_pools):
+    rank_pools(2).run(barriers_of_different_calls)
+
+
+# ----------------------------------------------------------------------------- bad input and configs
+
+
+def non_strided_input_on_one_rank(rank, world, layout):
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=20)
+    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
+    bad = x
+    if rank == 1:
+        bad = {"sparse_coo": x.to_sparse, "sparse_csr": x.to_sparse_csr, "mkldnn": x.to_mkldnn}[layout]()
+    with pytest.raises(MegaMoEInputError) as err:
+        mega_moe(bad, idx, tw, w1, w2, buf)
+    assert ("layout" in str(err.value)) if rank == 1 else ("rank(s) [1] rejected" in str(err.value)), str(err.value)
+    y = mega_moe(x, idx, tw, w1, w2, buf)  # the buffer serves the next call
+    assert rel_err(y, dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "mkldnn"])
+def test_non_strided_input_raises_on_every_rank(rank_pools, layout):
+    if layout == "mkldnn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without mkldnn")
+    rank_pools(2).run(non_strided_input_on_one_rank, layout)
+
+
+def create_with_config(rank, world, differ):
+    change = {"size": dict(hidden=128), "equal_size": dict(num_experts=4)}[differ]
+    cfg = MegaMoEConfig(**(BASE if rank == 0 else dict(BASE, **change)))
+    with pytest.raises(ValueError, match="config") as err:
+        get_symm_buffer(None, cfg, timeout_s=10)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("differ", ["size", "equal_size"])
+def test_configs_that_differ_raise_and_leave_no_shm_file(differ):
+    before = set(glob.glob("/dev/shm/megamoe-*"))
+    pool = RankPool(2)
+    try:
+        messages = pool.run(create_with_config, differ, timeout=60)
+    finally:
+        pool.close()
+    assert all("rank 1" in m or "ranks [1]" in m or "rank 0" in m for m in messages), messages
+    left = set(glob.glob("/dev/shm/megamoe-*")) - before
+    assert not left, left
+
+
+def creation_with_a_rank_that_dies(rank, world):
+    """Rank 1 dies right after writing its file; rank 0 times out and removes both files."""
+    import os
+
+    from megamoe_train import symm_buffer
+
+    cfg = MegaMoEConfig(**BASE)
+    if rank == 1:
+        symm_buffer._SharedMemoryPeers._map_all = lambda self, paths: os._exit(3)
+    with pytest.raises(RuntimeError, match="rank 1 did not reach"):
+        get_symm_buffer(None, cfg, timeout_s=SHORT_TIMEOUT_S)
+    return True
+
+
+def test_rank_dying_at_creation_leaves_no_shm_file():
+    before = set(glob.glob("/dev/shm/megamoe-*"))
+    pool = RankPool(2)
+    try:
+        with pytest.raises(TimeoutError, match="did not finish"):  # rank 1 never reports: it died
+            pool.run(creation_with_a_rank_that_dies, timeout=SHORT_TIMEOUT_S + 10)
+    finally:
+        pool.close(force=True)
+    left = set(glob.glob("/dev/shm/megamoe-*")) - before
+    assert not left, left
