@@ -586,10 +586,9 @@ def _torchrun_main(args):
     try:
         worker(rank, world, args)
     finally:
-        from megamoe_train import destroy_all_symm_buffers
+        from megamoe_train.launch import finish_rank
 
-        destroy_all_symm_buffers()
-        dist.destroy_process_group()
+        finish_rank()
 
 
 def parse_args(argv=None):

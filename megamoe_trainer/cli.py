@@ -89,21 +89,14 @@ def _fail(message: str, code: int) -> int:
 
 def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
     """Train on this rank (process group initialized), then release the MegaMoE buffers and the group."""
-    import torch.distributed as dist
+    from megamoe_train.launch import finish_rank
 
     from .train import run_rank
 
     try:
         run_rank(rank, world, recipe_dict, run_dir, resume)
     finally:
-        try:
-            from megamoe_train.symm_buffer import destroy_all_symm_buffers
-
-            destroy_all_symm_buffers()
-        except Exception:
-            pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_rank()
 
 
 def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):

@@ -16,7 +16,6 @@ STOP = "stop"
 
 def _worker(rank, world_size, port, backend, tasks, results):
     import torch
-    import torch.distributed as dist
 
     from megamoe_train.launch import init_rank
 
@@ -31,10 +30,9 @@ def _worker(rank, world_size, port, backend, tasks, results):
             results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # report and keep serving
             results.put((rank, False, traceback.format_exc()))
-    from megamoe_train.symm_buffer import destroy_all_symm_buffers
+    from megamoe_train.launch import finish_rank
 
-    destroy_all_symm_buffers()
-    dist.destroy_process_group()
+    finish_rank()
 
 
 class RankPool:
