@@ -19,7 +19,6 @@ class MegaMoEFunction(torch.autograd.Function):
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
         y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id)
         ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
-        ctx.master = (w1.detach(), w2.detach())
         ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
         ctx.mark_non_differentiable(topk_idx)
         return y
@@ -29,10 +28,10 @@ class MegaMoEFunction(torch.autograd.Function):
         buffer = ctx.buffer
         grad_y = grad_y.to(buffer.config.dtype).contiguous()
         grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
-            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared, ctx.master
+            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
-        ctx.saved = ctx.master = None
+        ctx.saved = None
         return (
             grad_x,
             None,

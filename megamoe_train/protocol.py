@@ -265,7 +265,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
 
 
 @_guarded
-def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared, master):
+def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared):
     """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2);
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]."""
     cfg = buf.config
@@ -289,7 +289,7 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
 
     # 2-4. Pull dY once per (source, token); expert backward; push dX partials and d(topk weight).
     pool_grad = executor.pull_grad(buf, saved.plan)
-    dx_rows, row_weight_grads, grad_w1, grad_w2 = executor.experts_backward(cfg, weights, master, saved.plan, saved.experts, pool_grad)
+    dx_rows, row_weight_grads, grad_w1, grad_w2 = executor.experts_backward(cfg, weights, saved.plan, saved.experts, pool_grad)
     executor.push_partials(buf, saved.plan, dx_rows, row_weight_grads)
     if shared is not None:
         _join_shared(buf)

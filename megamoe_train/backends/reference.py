@@ -156,9 +156,9 @@ class ReferenceExecutor:
             out_rows[rows] = (a_in @ w2[e].t()).to(cfg.dtype)
         return out_rows, ExpertState(pool, pre_act)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, master, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
-        on the dequantized kernel-layout weights (`master` is unused)."""
+        on the dequantized kernel-layout weights."""
         recipe = cfg.precision
         w1, w2 = weights.dequantize_w1(), weights.dequantize_w2()
         grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)

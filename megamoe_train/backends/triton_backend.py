@@ -64,15 +64,6 @@ def _grouped_mm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def _backward_weights(weights: ExpertWeights, master, dtype):
-    """fc1/fc2 in master order as the backward GEMMs read them: the parameters themselves when
-    the recipe stores them unquantized in `dtype`, else the dequantized forward weights."""
-    w1, w2 = master
-    if not weights.quantized and w1.dtype == dtype and w2.dtype == dtype:
-        return w1.detach(), w2.detach()
-    return weights.compute_copies(dtype)
-
-
 def _as_compute(data, scales, num_rows, dtype):
     """Stored activations as `dtype` values for the backward GEMMs (fp8: dequantized)."""
     if scales is None:
@@ -142,9 +133,9 @@ class TritonExecutor:
             out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, master, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
         P, I, dev = plan.pool_rows, cfg.intermediate, pool_grad.device
-        w1, w2 = _backward_weights(weights, master, cfg.dtype)
+        w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
         grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
         grad_h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
         grad_row_w = torch.empty(P, dtype=torch.float32, device=dev)
