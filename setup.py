@@ -1,7 +1,97 @@
-"""Builds megamoe_train and its host extension megamoe_train._C (pybind11, plain C++17)."""
+"""Builds megamoe_train and its extensions.
+
+- megamoe_train._C: the buffer layout (pybind11, plain C++17), always.
+- megamoe_train._cuda: the Hopper kernels of csrc/cuda (CUTLASS, nvcc for sm_90a), when nvcc and
+  the CUTLASS headers (the `nvidia-cutlass` package, requirements-cuda.txt) are found. Without
+  them the build skips it and the GPU executor keeps its Triton GEMMs. MEGAMOE_BUILD_CUDA=1
+  makes a missing toolchain an error, =0 skips the CUDA build.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu"]
+CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h"]
+# wgmma and setmaxnreg exist only on the arch-specific Hopper target.
+NVCC_FLAGS = [
+    "-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+    "-gencode=arch=compute_90a,code=sm_90a",
+]
+
+
+def _find_cuda_home():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home:
+        nvcc = shutil.which("nvcc")
+        home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    return None
+
+
+def _find_cutlass_include():
+    try:
+        import cutlass_library
+    except ImportError:
+        return None
+    include = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    return include if os.path.exists(os.path.join(include, "cutlass", "cutlass.h")) else None
+
+
+def _cuda_extension():
+    mode = os.environ.get("MEGAMOE_BUILD_CUDA", "auto")
+    if mode == "0":
+        return None
+    cuda_home, cutlass_include = _find_cuda_home(), _find_cutlass_include()
+    missing = [name for name, found in (("nvcc (CUDA_HOME)", cuda_home), ("CUTLASS headers (pip install nvidia-cutlass)", cutlass_include)) if not found]
+    if missing:
+        if mode == "1":
+            sys.exit(f"MEGAMOE_BUILD_CUDA=1 but not found: {', '.join(missing)}")
+        print(f"megamoe_train._cuda skipped (not found: {', '.join(missing)})", file=sys.stderr)
+        return None
+    lib_dir = next((os.path.join(cuda_home, d) for d in ("lib64", "lib") if os.path.exists(os.path.join(cuda_home, d, "libcudart_static.a"))), None)
+    if lib_dir is None:
+        sys.exit(f"libcudart_static.a not found under {cuda_home}")
+    ext = Pybind11Extension(
+        "megamoe_train._cuda",
+        sources=["csrc/cuda/bindings.cpp"],
+        include_dirs=["csrc/cuda"],
+        cxx_std=17,
+        extra_compile_args=["-O2"],
+        # The CUDA runtime is linked statically: the module loads whatever CUDA build of torch is
+        # installed; it sets the tensor's device itself (see fp8_grouped_gemm.cu, DeviceGuard).
+        extra_link_args=[os.path.join(lib_dir, "libcudart_static.a"), "-lrt", "-ldl", "-lpthread"],
+    )
+    ext.cuda_sources = CUDA_SOURCES
+    ext.cuda_depends = CUDA_HEADERS
+    ext.nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    ext.nvcc_includes = ["csrc/cuda", cutlass_include]
+    return ext
+
+
+class BuildExt(build_ext):
+    """build_ext that first compiles an extension's .cu sources with nvcc into objects."""
+
+    def build_extension(self, ext):
+        objects = []
+        for source in getattr(ext, "cuda_sources", []):
+            obj = os.path.join(self.build_temp, source + ".o")
+            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            inputs = [source, *ext.cuda_depends]
+            if self.force or not os.path.exists(obj) or any(os.path.getmtime(f) > os.path.getmtime(obj) for f in inputs):
+                cmd = [ext.nvcc, "-c", source, "-o", obj, *NVCC_FLAGS, *(f"-I{d}" for d in ext.nvcc_includes)]
+                print(" ".join(cmd))
+                subprocess.check_call(cmd)
+            objects.append(obj)
+        if objects:
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extension(ext)
+
 
 ext_modules = [
     Pybind11Extension(
@@ -12,9 +102,12 @@ ext_modules = [
         extra_compile_args=["-O2"],
     )
 ]
+cuda_ext = _cuda_extension()
+if cuda_ext is not None:
+    ext_modules.append(cuda_ext)
 
 setup(
     packages=find_packages(include=["megamoe_train*", "megatron_patch*", "megamoe_trainer*"]),
     ext_modules=ext_modules,
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": BuildExt},
 )

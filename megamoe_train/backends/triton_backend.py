@@ -3,7 +3,8 @@
 - pull: one Triton kernel reads each received (source, token) row once over NVLink (x, its
   fp8 scales, its topk weights; dY in backward) and writes it into every pool row of its slots;
 - expert MLP: L1 grouped GEMM -> fused clamp/SwiGLU/topk weight (/e4m3 requantization) -> L2
-  grouped GEMM; bf16 GEMMs are torch._grouped_mm, fp8 GEMMs our block-scaled Triton kernel;
+  grouped GEMM; bf16 GEMMs are torch._grouped_mm, fp8 GEMMs our block-scaled CUTLASS kernel
+  (cutlass_gemm.py; our Triton kernel where the CUDA extension was not built);
   backward GEMMs in bf16 on the dequantized forward operands;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
@@ -19,6 +20,7 @@ GEMMs (fp32 accumulation, SwiGLU in fp32) where the reference uses fp32.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +28,11 @@ import torch
 from ..plan import Plan
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights
+from . import cutlass_gemm
 from . import triton_kernels as K_
 
 BF16_GROUP_ALIGN = 16
+_FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
 SUPPORTED_RECIPES = ("bf16", "fp8")
 
 
@@ -62,6 +66,14 @@ def _grouped_mm(a, b, offs):
     """torch's grouped GEMM over expert row groups (a [P, K] x b [E, K, N], or K-grouped
     a [M, P] x b [P, N] -> [E, M, N] when both are 2-D); the output has the inputs' dtype."""
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
+    """out[rows of expert e] = (a * a_scales)[rows] @ (b[e] * b_scales[e])^T: the one place that
+    picks the fp8 GEMM (CUTLASS where built; MEGAMOE_FP8_GEMM=triton forces the Triton kernel)."""
+    if _FP8_GEMM != "triton" and cutlass_gemm.available(a.device):
+        return cutlass_gemm.fp8_grouped_gemm(a, a_scales, b, b_scales, plan.expert_ends, out)
+    return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
 
 
 def _as_compute(data, scales, num_rows, dtype):
@@ -122,13 +134,13 @@ class TritonExecutor:
         act_scales = torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-            K_.grouped_gemm(pool.x, weights.w1, plan.block_expert, h, pool.x_scales, weights.w1_scales, block_m=cfg.block_m)
+            _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, cfg.block_m)
         else:
             h = _grouped_mm(pool.x, weights.w1.transpose(1, 2), plan.expert_ends)
         K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp)
         if recipe.quantized:
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            K_.grouped_gemm(act, weights.w2, plan.block_expert, out, act_scales, weights.w2_scales, block_m=cfg.block_m)
+            _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, cfg.block_m)
         else:
             out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
