@@ -11,12 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu"]
-CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h"]
+CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu", "csrc/cuda/bf16_grouped_gemm.cu"]
+CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h", "csrc/cuda/grouped_gemm_impl.cuh"]
 # wgmma and setmaxnreg exist only on the arch-specific Hopper target.
 NVCC_FLAGS = [
     "-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
@@ -60,6 +61,7 @@ def _cuda_extension():
     ext = Pybind11Extension(
         "megamoe_train._cuda",
         sources=["csrc/cuda/bindings.cpp"],
+        depends=CUDA_SOURCES + CUDA_HEADERS,  # so an edited kernel relinks the module
         include_dirs=["csrc/cuda"],
         cxx_std=17,
         extra_compile_args=["-O2"],
@@ -78,16 +80,19 @@ class BuildExt(build_ext):
     """build_ext that first compiles an extension's .cu sources with nvcc into objects."""
 
     def build_extension(self, ext):
-        objects = []
+        objects, commands = [], []
         for source in getattr(ext, "cuda_sources", []):
             obj = os.path.join(self.build_temp, source + ".o")
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             inputs = [source, *ext.cuda_depends]
             if self.force or not os.path.exists(obj) or any(os.path.getmtime(f) > os.path.getmtime(obj) for f in inputs):
-                cmd = [ext.nvcc, "-c", source, "-o", obj, *NVCC_FLAGS, *(f"-I{d}" for d in ext.nvcc_includes)]
-                print(" ".join(cmd))
-                subprocess.check_call(cmd)
+                commands.append([ext.nvcc, "-c", source, "-o", obj, *NVCC_FLAGS, *(f"-I{d}" for d in ext.nvcc_includes)])
             objects.append(obj)
+        # each CUTLASS translation unit takes ~30-60 s: compile them side by side
+        with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+            for cmd in commands:
+                print(" ".join(cmd))
+            list(pool.map(subprocess.check_call, commands))
         if objects:
             ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extension(ext)

@@ -1,5 +1,6 @@
-"""Grouped expert GEMMs of one rank, one GPU: our CUTLASS fp8 kernel vs our Triton fp8 kernel vs
-torch's grouped GEMMs, in one run with the measured peaks.
+"""Grouped expert GEMMs of one rank, one GPU: our CUTLASS fp8 and bf16 kernels (every compiled
+variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
+with the measured peaks.
 
   python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4] [--ep 2]
 
@@ -26,6 +27,7 @@ from megamoe_train.precision import get_recipe  # noqa: E402
 from megamoe_train.quant import dequantize_act, dequantize_weight, quantize_act, quantize_weight  # noqa: E402
 
 FP8 = get_recipe("fp8")
+SWIZZLES = (1, 4)
 
 
 def bench(fn, iters=30, warmup=5) -> float:
@@ -56,7 +58,8 @@ def peaks(dev) -> tuple[float, float]:
     return bf16, fp8
 
 
-def case(name, groups, rows_per_group, n, k, dev):
+def case(name, groups, rows_per_group, n, k, dgrad, dev):
+    """Every implementation on one GEMM; returns {label: ms} and the CUTLASS fp8 error."""
     m = groups * rows_per_group
     ends = (torch.arange(1, groups + 1, device=dev) * rows_per_group).to(torch.int32)
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -64,36 +67,45 @@ def case(name, groups, rows_per_group, n, k, dev):
     aq, a_s = quantize_act(a, FP8)
     bq, b_s = quantize_weight(b, FP8)
     block_expert = (torch.arange(m // 128, device=dev) // (rows_per_group // 128)).to(torch.int32)
-    flops = 2.0 * m * n * k
-    tf = lambda ms: flops / ms / 1e9  # noqa: E731
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    times, errors = {}, {}
     # reference: the dequantized product of the first and last group
     ad, bd = dequantize_act(aq, a_s, FP8), dequantize_weight(bq, b_s, FP8)
     ref = torch.cat([ad[:rows_per_group] @ bd[0].t(), ad[-rows_per_group:] @ bd[-1].t()])
+    ref_bf16 = torch.cat([a[:rows_per_group].float() @ b[0].float().t(), a[-rows_per_group:].float() @ b[-1].float().t()])
 
-    def err():
+    def err(reference):
         got = torch.cat([out[:rows_per_group], out[-rows_per_group:]]).float()
-        return float((got - ref).norm() / ref.norm())
+        return float((got - reference).norm() / reference.norm())
 
-    row = {"gemm": name, "M": m, "N": n, "K": k, "groups": groups}
     if cutlass_gemm.available(dev):
-        row["cutlass_ms"] = bench(lambda: cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out))
-        row["cutlass_err"] = err()
-    row["triton_ms"] = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_m=128))
-    row["triton_err"] = err()
-    row["torch_bf16_ms"] = bench(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=ends))
+        for variant in range(cutlass_gemm._cuda.FP8_VARIANTS):
+            for swizzle in SWIZZLES:
+                label = f"cutlass_fp8 v{variant} s{swizzle}"
+                times[label] = bench(lambda: cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant, swizzle))
+                errors[label] = err(ref)
+        # bf16: the forward reads W [N, K]; the dgrad reads the same weight untransposed, [K, N]
+        layout = "kn" if dgrad else "nk"
+        b_in = b.transpose(1, 2).contiguous() if dgrad else b
+        for variant in range(cutlass_gemm._cuda.BF16_VARIANTS):
+            for swizzle in SWIZZLES:
+                label = f"cutlass_bf16 v{variant} s{swizzle}"
+                times[label] = bench(lambda: cutlass_gemm.bf16_grouped_gemm(a, b_in, ends, out, layout, variant, swizzle))
+                errors[label] = err(ref_bf16)
+    times["triton_fp8"] = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_m=128))
+    errors["triton_fp8"] = err(ref)
+    b_torch = b.transpose(1, 2).contiguous().transpose(1, 2) if dgrad else b  # same storage as ours
+    times["torch_bf16"] = bench(lambda: torch._grouped_mm(a, b_torch.transpose(1, 2), offs=ends))
     a_row = a.float().abs().amax(1).clamp_min(1e-4) / 448
     b_row = b.float().abs().amax(2).clamp_min(1e-4) / 448
     aq_row = (a.float() / a_row[:, None]).to(torch.float8_e4m3fn)
     bq_row = (b.float() / b_row[:, :, None]).to(torch.float8_e4m3fn)
     try:
-        row["torch_fp8_rowwise_ms"] = bench(lambda: torch._scaled_grouped_mm(
+        times["torch_fp8_rowwise"] = bench(lambda: torch._scaled_grouped_mm(
             aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16))
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
-        row["torch_fp8_rowwise_ms"] = None
         print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:100]}")
-    row["tflops"] = {key[:-3]: tf(v) for key, v in row.items() if key.endswith("_ms") and v}
-    return row
+    return m, times, errors
 
 
 def main():
@@ -105,20 +117,32 @@ def main():
     bf16_peak, fp8_peak = peaks(dev)
     print(f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
           f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s; CUTLASS extension: {cutlass_gemm.available(dev)}")
-    print("| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) | Triton fp8 ms (TF/s) | torch bf16 ms (TF/s) | torch fp8 row-wise ms (TF/s) | fp8 floor ms | CUTLASS err |")
+    print("| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | torch fp8 row-wise | fp8 floor ms |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    details = []
     for shape in args.shapes.split(","):
         E, topk, H, I, T = SHAPES[shape]
         groups = E // args.ep
         rows = max(128, -(-T * topk // groups // 128) * 128)
-        for name, n, k in (("L1 fwd", 2 * I, H), ("L2 fwd", H, I), ("L2 dgrad", I, H), ("L1 dgrad", H, 2 * I)):
-            r = case(name, groups, rows, n, k, dev)
-            t = r["tflops"]
-            cell = lambda key: f"{r[key + '_ms']:.3f} ({t[key]:.0f})" if r.get(key + "_ms") else "-"  # noqa: E731
-            floor = 2.0 * r["M"] * n * k / fp8_peak / 1e9
-            print(f"| {shape} | {name} | {r['M']} x {n} x {k} | {cell('cutlass')} | {cell('triton')} | {cell('torch_bf16')} | "
-                  f"{cell('torch_fp8_rowwise')} | {floor:.3f} | {r.get('cutlass_err', float('nan')):.1e} |", flush=True)
+        for name, n, k, dgrad in (("L1 fwd", 2 * I, H, False), ("L2 fwd", H, I, False), ("L2 dgrad", I, H, True),
+                                  ("L1 dgrad", H, 2 * I, True)):
+            m, times, errors = case(name, groups, rows, n, k, dgrad, dev)
+            tf = lambda ms: 2.0 * m * n * k / ms / 1e9  # noqa: E731
+
+            def best(prefix):
+                got = {key: v for key, v in times.items() if key.startswith(prefix)}
+                if not got:
+                    return "-"
+                key = min(got, key=got.get)
+                return f"{got[key]:.3f} ({tf(got[key]):.0f}) {key[len(prefix):].strip()}"
+
+            floor = 2.0 * m * n * k / fp8_peak / 1e9
+            print(f"| {shape} | {name} | {m} x {n} x {k} | {best('cutlass_fp8')} | {best('triton_fp8')} | "
+                  f"{best('cutlass_bf16')} | {best('torch_bf16')} | {best('torch_fp8_rowwise')} | {floor:.3f} |", flush=True)
+            details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
             torch.cuda.empty_cache()
+    print("\n# every configuration (ms, relative error against the float product of the same operands)")
+    print("\n".join(details))
 
 
 if __name__ == "__main__":

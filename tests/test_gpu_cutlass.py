@@ -118,3 +118,31 @@ def test_rejects_bad_operands():
         cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out.float())
     with pytest.raises(ValueError, match="group_ends"):
         cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends.long(), out)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("variant", [0, 1])
+def test_bf16_matches_float_product(b_layout, variant):
+    sizes, n, k = [128, 0, 48, 256, 16, 0, 200], 384, 256  # any group sizes, empty groups
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    m = int(sum(sizes)) + 64
+    a = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(len(sizes), n, k, device=dev, generator=gen) * k**-0.5).to(torch.bfloat16)  # [G, N, K]
+    b = w if b_layout == "nk" else w.transpose(1, 2).contiguous()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    cutlass_gemm.bf16_grouped_gemm(a, b, ends, out, b_layout, variant=variant)
+    ref = torch.full((m, n), float("nan"), device=dev)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        ref[start:end] = a[start:end].float() @ w[g].float().t()
+        start = end
+    live = int(ends[-1])
+    assert torch.isnan(out[live:]).all()
+    assert not torch.isnan(out[:live]).any()
+    assert rel_err(out[:live], ref[:live]) < 4e-3
+    again = torch.full_like(out, float("nan"))
+    cutlass_gemm.bf16_grouped_gemm(a, b, ends, again, b_layout, variant=variant)
+    assert torch.equal(out[:live], again[:live])

@@ -1,6 +1,6 @@
 // pybind11 module megamoe_train._cuda: the CUDA kernels of csrc/cuda, called with raw device
 // addresses (tensors are checked and their addresses taken in megamoe_train/backends/cutlass_gemm.py,
-// so this module needs no PyTorch headers and builds against any torch).
+// so this module needs no PyTorch headers and loads beside any CUDA build of torch).
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
@@ -12,26 +12,55 @@ namespace py = pybind11;
 
 namespace {
 
+megamoe::GroupedGemmArgs make_args(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales, uintptr_t d,
+                                   uintptr_t group_ends, int num_groups, int n, int k, int b_layout, int variant,
+                                   int swizzle, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
+                                   int device) {
+  return {reinterpret_cast<const void*>(a), reinterpret_cast<const float*>(a_scales),
+          reinterpret_cast<const void*>(b), reinterpret_cast<const float*>(b_scales),
+          reinterpret_cast<void*>(d),       reinterpret_cast<const int32_t*>(group_ends),
+          num_groups, n, k, static_cast<megamoe::BLayout>(b_layout), variant, swizzle,
+          reinterpret_cast<void*>(workspace), workspace_bytes, reinterpret_cast<void*>(stream), device};
+}
+
+void check(const char* name, const char* error) {
+  if (error[0] != '\0') throw std::runtime_error(std::string(name) + ": " + error);
+}
+
 void fp8_grouped_gemm(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales, uintptr_t d,
-                      uintptr_t group_ends, int num_groups, int n, int k, uintptr_t workspace,
-                      size_t workspace_bytes, uintptr_t stream, int device) {
-  megamoe::Fp8GroupedGemmArgs args{
-      reinterpret_cast<const void*>(a),       reinterpret_cast<const float*>(a_scales),
-      reinterpret_cast<const void*>(b),       reinterpret_cast<const float*>(b_scales),
-      reinterpret_cast<void*>(d),             reinterpret_cast<const int32_t*>(group_ends),
-      num_groups, n, k, reinterpret_cast<void*>(workspace), workspace_bytes,
-      reinterpret_cast<void*>(stream), device};
-  const char* error = megamoe::fp8_grouped_gemm(args);
-  if (error[0] != '\0') throw std::runtime_error(std::string("fp8_grouped_gemm: ") + error);
+                      uintptr_t group_ends, int num_groups, int n, int k, int variant, int swizzle,
+                      uintptr_t workspace, size_t workspace_bytes, uintptr_t stream, int device) {
+  check("fp8_grouped_gemm", megamoe::fp8_grouped_gemm(make_args(a, a_scales, b, b_scales, d, group_ends, num_groups, n, k,
+                                                               0, variant, swizzle, workspace, workspace_bytes,
+                                                               stream, device)));
+}
+
+void bf16_grouped_gemm(uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_ends, int num_groups, int n, int k,
+                       int b_layout, int variant, int swizzle, uintptr_t workspace, size_t workspace_bytes,
+                       uintptr_t stream, int device) {
+  check("bf16_grouped_gemm", megamoe::bf16_grouped_gemm(make_args(a, 0, b, 0, d, group_ends, num_groups, n, k, b_layout,
+                                                                 variant, swizzle, workspace, workspace_bytes,
+                                                                 stream, device)));
+}
+
+size_t bf16_workspace_bytes(int num_groups, int variant, int b_layout, int device) {
+  return megamoe::bf16_grouped_gemm_workspace_bytes(num_groups, variant, static_cast<megamoe::BLayout>(b_layout), device);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "MegaMoE CUDA kernels (Hopper, sm_90a)";
+  m.attr("FP8_VARIANTS") = megamoe::fp8_grouped_gemm_variants();
+  m.attr("BF16_VARIANTS") = megamoe::bf16_grouped_gemm_variants();
   m.def("fp8_grouped_gemm_workspace_bytes", &megamoe::fp8_grouped_gemm_workspace_bytes, py::arg("num_groups"),
-        py::arg("device"));
-  m.def("fp8_grouped_gemm", &fp8_grouped_gemm, py::arg("a"), py::arg("a_scales"), py::arg("b"),
-        py::arg("b_scales"), py::arg("d"), py::arg("group_ends"), py::arg("num_groups"), py::arg("n"),
-        py::arg("k"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"), py::arg("device"));
+        py::arg("variant"), py::arg("device"));
+  m.def("bf16_grouped_gemm_workspace_bytes", &bf16_workspace_bytes, py::arg("num_groups"), py::arg("variant"),
+        py::arg("b_layout"), py::arg("device"));
+  m.def("fp8_grouped_gemm", &fp8_grouped_gemm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
+        py::arg("d"), py::arg("group_ends"), py::arg("num_groups"), py::arg("n"), py::arg("k"), py::arg("variant"),
+        py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"), py::arg("device"));
+  m.def("bf16_grouped_gemm", &bf16_grouped_gemm, py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_ends"),
+        py::arg("num_groups"), py::arg("n"), py::arg("k"), py::arg("b_layout"), py::arg("variant"), py::arg("swizzle"),
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"), py::arg("device"));
 }
