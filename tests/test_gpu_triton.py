@@ -1,7 +1,9 @@
 """The Triton GPU executor (marked `gpu`, skipped without CUDA): against the dense oracle and
 the reference executor on fresh random inputs, with every uninitialized tensor and the pushed
 regions poisoned with NaN so rows that were never written fail; bitwise repeatability; bad
-input; CUDA-graph capture."""
+input; CUDA-graph capture. With recipe fp8 all of these run the fp8 dgrads (the dense oracle
+and the reference quantize dY and dH the same way); test_fp8_backward_kernels checks the
+backward's kernels and executor wiring directly (fp8_backward_checks.py)."""
 
 import os
 
@@ -224,3 +226,15 @@ def _triton_against_reference(rank, world, cfg, recipe):
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_triton_matches_reference_executor(rank_pools, world, recipe):
     rank_pools(world, "nccl").run(triton_against_reference, recipe)
+
+
+def test_fp8_backward_kernels():
+    """dY quantization bit for bit quant.quantize_grad; SwiGLU backward's e4m3 dH; the executor's
+    fp8 backward against the reference executor on one GPU (closer to it than to unquantized
+    dgrads), without the bf16 compute copies; NaN-poisoned outputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fp8_backward_checks import run_all
+
+    errors = _poisoned(run_all, "cuda")
+    print({name: f"{err:.2e} (unquantized dgrads: {other:.2e})" for name, (err, other) in errors.items()})
