@@ -135,7 +135,7 @@ def check_executor_backward_against_reference(device):
     """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, wgrads through
     torch._grouped_mm) against the reference executor on the same padded plan and inputs, and
     against the oracle with unquantized dgrads (to show the check can tell them apart)."""
-    cfg = MegaMoEConfig(num_experts=4, hidden=256, intermediate=256, topk=2, num_max_tokens_per_rank=40,
+    cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=2, num_max_tokens_per_rank=40,
                         recipe="fp8", block_m=64, dtype=torch.bfloat16, activation_clamp=6.0)
     g = torch.Generator().manual_seed(5)
     T, E, H, I, K = 37, cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk
