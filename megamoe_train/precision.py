@@ -45,7 +45,9 @@ class PrecisionRecipe:
     def __post_init__(self):
         if self.grad_format != "native":
             if self.weight_block[0] != self.weight_block[1] or self.act_block <= 0:
-                raise ValueError(f"recipe {self.name!r}: quantized gradients need square weight blocks and activation blocks")
+                raise ValueError(
+                    f"recipe {self.name!r}: quantized gradients need square weight blocks and activation blocks"
+                )
 
     @property
     def quantized(self) -> bool:

@@ -48,7 +48,10 @@ def exact_downcasts():
     from triton.runtime import interpreter
 
     convert = interpreter._convert_float  # fails loudly if the interpreter changes
-    targets = {tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16), tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.uint8)}
+    targets = {
+        tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16),
+        tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.uint8),
+    }
 
     def exact(input, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float32 and output_dtype in targets:
@@ -101,7 +104,8 @@ def check_swiglu_backward_quantized(device, clamp):
     K_.swiglu_backward(h.to(device), row_w.to(device), grad_act.to(device), grad_h, grad_w, live_rows(live, device),
                        chunk, clamp, grad_h_q, grad_h_s)
     grad_h, grad_h_q, grad_h_s = grad_h.cpu(), grad_h_q.cpu(), grad_h_s.cpu()
-    ref = deinterleave_gate_up(swiglu_backward(h[:live], chunk, clamp, grad_act[:live].float() * row_w[:live, None]), chunk, dim=1)
+    ref = swiglu_backward(h[:live], chunk, clamp, grad_act[:live].float() * row_w[:live, None])
+    ref = deinterleave_gate_up(ref, chunk, dim=1)  # master order [gate | up]
     assert torch.allclose(grad_h[:live].float(), ref, rtol=2e-2, atol=1e-30), "grad_h (bf16, master order)"
     # The e4m3 dH is the kernel's fp32 dH quantized in master-order 1x128 blocks: the same codes
     # and scales as quantizing the torch fp32 dH, but for the few elements where the kernel's
