@@ -7,7 +7,8 @@
   (row-wise scales: cheaper scaling, the closest built-in) and vs torch._grouped_mm in bf16;
 - row movement over NVLink: our pull kernel (rows gathered from the peer's buffer by a row
   list) vs a plain peer copy of the same bytes (copy engine), both GPUs at once, GB/s per GPU.
-Shapes: the expert GEMMs of one rank at the layer shapes of bench_layer.py, uniform routing.
+Shapes: the expert GEMMs of one rank at the layer shapes of bench_layer.py, uniform routing
+(forward L1, L2 and the two backward dgrads, which the fp8 recipe runs in fp8).
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def worker(rank, world, shape):
     if rank == 0:
         lines += gemm_report("L1", shape, None, 2 * I, H, dev)
         lines += gemm_report("L2", shape, None, H, I, dev)
+        # the fp8 recipe's backward dgrads: dY [rows, H] @ w2_t -> [rows, I]; dH [rows, 2I] @ w1_t -> [rows, H]
+        lines += gemm_report("L2 dgrad", shape, None, I, H, dev)
+        lines += gemm_report("L1 dgrad", shape, None, H, 2 * I, dev)
     dist.barrier()
     # Row movement: every received row pulled from the peer (worst case: all rows remote), by the
     # layer's pull-and-expand kernel with a plan where each peer token has one slot here.

@@ -10,7 +10,8 @@ before, per layer and forward (the recompute pass runs it again):
   stack   torch.stack of every local expert's fc1 and fc2 (a new tensor each time, so the weight
           cache never hits) and
   fp8     quantization + interleave of the stacked weights (transform_weights, uncached), plus
-          the bf16 compute copies the backward GEMMs read;
+          what the backward reads: since the fp8 dgrads (issue 12) the transposed e4m3 copies
+          w1_t / w2_t, made inside transform_weights, instead of bf16 compute copies;
   bf16    a copy + gate/up interleave of the stacked weights (the old native transform).
 after: the stacked parameters are passed as they are; bf16 reads them in place (no work), fp8
 quantizes once per optimizer step (the same transform, once instead of per forward).
@@ -63,8 +64,7 @@ def main():
 
     def fp8_transform():
         clear_weight_cache()
-        ew = transform_weights(w1, w2, cfg["fp8"])
-        ew.compute_copies(torch.bfloat16)
+        transform_weights(w1, w2, cfg["fp8"])  # incl. the dgrads' transposed copies
 
     def bf16_old_transform():  # what the native transform did before: copy + interleave in chunks of 8
         interleave_gate_up(w1.to(torch.bfloat16, copy=True), 8), w2.to(torch.bfloat16, copy=True).contiguous()

@@ -25,6 +25,12 @@ class PrecisionRecipe:
     scale blocks per chunk. Native weights are not interleaved (weights.py reads them in
     master order, in place); for them it only sets the granularity `intermediate` must have
     (8 bf16 = 16 bytes, the row alignment torch's grouped GEMM needs).
+    grad_format: how backward's two dgrad GEMMs (dY @ W2, dH @ W1) read the output gradient:
+    "native" (the compute dtype, on the dequantized weights) or "e4m3", quantized exactly like
+    an activation (1 x act_block blocks along the reduction dim, scale_format scales: quant.py's
+    quantize_grad) against the forward's quantized weight blocks read transposed (so
+    weight_block must be square). Weight gradients always run in the compute dtype (fp32
+    accumulation) on the unquantized gradients and the stored activations.
     """
 
     name: str
@@ -34,10 +40,23 @@ class PrecisionRecipe:
     weight_block: tuple[int, int]
     scale_format: str
     gate_up_chunk: int
+    grad_format: str = "native"
+
+    def __post_init__(self):
+        if self.grad_format != "native":
+            if self.weight_block[0] != self.weight_block[1] or self.act_block <= 0:
+                raise ValueError(
+                    f"recipe {self.name!r}: quantized gradients need square weight blocks and activation blocks"
+                )
 
     @property
     def quantized(self) -> bool:
         return self.act_format != "native"
+
+    @property
+    def quantized_dgrad(self) -> bool:
+        """Whether backward's dgrad GEMMs take quantized gradients (and transposed quantized weights)."""
+        return self.grad_format != "native"
 
     def act_storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         return compute_dtype if self.act_format == "native" else torch.float8_e4m3fn
@@ -49,8 +68,9 @@ class PrecisionRecipe:
 
 RECIPES: dict[str, PrecisionRecipe] = {
     "bf16": PrecisionRecipe("bf16", "native", 0, "native", (0, 0), "none", 8),
-    # DeepSeek-V3 training recipe: 1x128 per-token activation blocks, 128x128 weight blocks.
-    "fp8": PrecisionRecipe("fp8", "e4m3", 128, "e4m3", (128, 128), "fp32", 128),
+    # DeepSeek-V3 training recipe: 1x128 per-token activation blocks, 128x128 weight blocks;
+    # the dgrad GEMMs take e4m3 gradients in 1x128 blocks too, wgrad stays in bf16.
+    "fp8": PrecisionRecipe("fp8", "e4m3", 128, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3"),
     # MX recipe of the seeds: E4M3 activations and E2M1 weights, 1x32 power-of-two scales.
     "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
 }

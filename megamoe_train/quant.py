@@ -4,7 +4,8 @@ The reference oracle, the weight transforms and the tests all call these functio
 GPU kernel that matches them bit for bit matches the recipe. Everything here is plain torch
 (float32 math, no custom kernels) and works on CPU and CUDA tensors with any leading dims.
 
-Storage, per recipe (see precision.py):
+Storage, per recipe (see precision.py); gradients quantized for the dgrad GEMMs
+(recipe.grad_format) use the activation rules:
   * native: the tensor itself, no scales.
   * e4m3 + fp32 scales: scale = max(amax, 1e-4) / 448 per block, data float8_e4m3fn.
   * e4m3 / e2m1 + ue8m0 scales: scale = 2**ceil(log2(amax / max_value)), a power of two
@@ -171,6 +172,28 @@ def _check_last_dim(name: str, k: int, block: int, what: str) -> None:
         raise ValueError(f"{name}: last dim {k} is not a multiple of the {what} block {block}")
 
 
+def _quantize_rows(name: str, x: torch.Tensor, fmt: str, block: int, scale_format: str, what: str):
+    """x [..., K] -> (data, scales [..., K / block]) in 1 x block blocks along K."""
+    if not x.is_floating_point() or x.dim() == 0:
+        raise ValueError(f"{name}: expected a floating tensor [..., K], got {x.dtype} {list(x.shape)}")
+    _check_last_dim(name, x.shape[-1], block, what)
+    blocks = x.float().unflatten(-1, (-1, block))
+    amax = blocks.abs().amax(dim=-1)
+    scale, stored = _block_scales(amax, fmt, scale_format)
+    data = _encode(blocks / scale.unsqueeze(-1), fmt).flatten(-2)
+    return data, stored
+
+
+def _dequantize_rows(name: str, data: torch.Tensor, scales, fmt: str, block: int, scale_format: str, what: str):
+    _check_last_dim(name, data.shape[-1], block, what)
+    expected = (*data.shape[:-1], data.shape[-1] // block)
+    if scales is None or tuple(scales.shape) != expected:
+        got = None if scales is None else list(scales.shape)
+        raise ValueError(f"{name}: scales must have shape {list(expected)}, got {got}")
+    values = _decode(data, fmt).unflatten(-1, (-1, block))
+    return (values * _decode_scales(scales, scale_format).unsqueeze(-1)).flatten(-2)
+
+
 def quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize activations [..., K] in 1 x recipe.act_block blocks along K.
 
@@ -178,34 +201,45 @@ def quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor
     """
     if recipe.act_format == "native":
         return x, None
-    if not x.is_floating_point() or x.dim() == 0:
-        raise ValueError(f"quantize_act: expected a floating tensor [..., K], got {x.dtype} {list(x.shape)}")
-    block = recipe.act_block
-    _check_last_dim("quantize_act", x.shape[-1], block, f"{recipe.name!r} activation")
-    blocks = x.float().unflatten(-1, (-1, block))
-    amax = blocks.abs().amax(dim=-1)
-    scale, stored = _block_scales(amax, recipe.act_format, recipe.scale_format)
-    data = _encode(blocks / scale.unsqueeze(-1), recipe.act_format).flatten(-2)
-    return data, stored
+    return _quantize_rows("quantize_act", x, recipe.act_format, recipe.act_block, recipe.scale_format,
+                          f"{recipe.name!r} activation")
 
 
 def dequantize_act(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
     """Exact float32 value of stored activations: element * its block's scale."""
     if recipe.act_format == "native":
         return data.float()
-    block = recipe.act_block
-    _check_last_dim("dequantize_act", data.shape[-1], block, f"{recipe.name!r} activation")
-    expected = (*data.shape[:-1], data.shape[-1] // block)
-    if scales is None or tuple(scales.shape) != expected:
-        got = None if scales is None else list(scales.shape)
-        raise ValueError(f"dequantize_act: scales must have shape {list(expected)}, got {got}")
-    values = _decode(data, recipe.act_format).unflatten(-1, (-1, block))
-    return (values * _decode_scales(scales, recipe.scale_format).unsqueeze(-1)).flatten(-2)
+    return _dequantize_rows("dequantize_act", data, scales, recipe.act_format, recipe.act_block, recipe.scale_format,
+                            f"{recipe.name!r} activation")
 
 
 def fake_quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
     """The value activations take through the recipe's storage, as float32."""
     return dequantize_act(*quantize_act(x, recipe), recipe)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def quantize_grad(g: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize an output gradient [..., K] for a dgrad GEMM reducing over K (recipe.grad_format):
+    the activation quantizer's rounding, 1 x recipe.act_block blocks along K. Native: (g, None)."""
+    if recipe.grad_format == "native":
+        return g, None
+    return _quantize_rows("quantize_grad", g, recipe.grad_format, recipe.act_block, recipe.scale_format,
+                          f"{recipe.name!r} gradient")
+
+
+def dequantize_grad(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
+    if recipe.grad_format == "native":
+        return data.float()
+    return _dequantize_rows("dequantize_grad", data, scales, recipe.grad_format, recipe.act_block, recipe.scale_format,
+                            f"{recipe.name!r} gradient")
+
+
+def fake_quantize_grad(g: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
+    """The value a dgrad GEMM reads for the gradient g, as float32."""
+    return dequantize_grad(*quantize_grad(g, recipe), recipe)
 
 
 # ----------------------------------------------------------------------------- weights

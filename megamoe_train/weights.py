@@ -57,6 +57,13 @@ class ExpertWeights:
       packed FP4 [E, 2I, H/2]. Native (unquantized) weights have chunk == I (master order) and
       alias the caller's tensor when it already has the compute dtype. w1_scales: its block scales, interleaved the same way, or None.
     w2: fc2, [E, H, I] or packed [E, H, I/2]; w2_scales likewise.
+    Recipes with quantized dgrad (precision.grad_format, fp8) also carry the forward's quantized
+    weights transposed, the B operands of the dgrad GEMMs (grad_act = dY_q @ w2_t[e]^T,
+    grad_x = dH_q @ w1_t[e]^T); square scale blocks make them the same blocks read transposed:
+    w1_t: e4m3 [E, H, 2I], fc1 in master order [gate; up] (not interleaved) transposed;
+      w1_t_scales: fp32 [E, H/128, 2I/128].
+    w2_t: e4m3 [E, I, H]; w2_t_scales: fp32 [E, I/128, H/128].
+    None for the other recipes.
     """
 
     recipe: str
@@ -65,6 +72,10 @@ class ExpertWeights:
     w2: torch.Tensor
     w2_scales: torch.Tensor | None
     chunk: int
+    w1_t: torch.Tensor | None = None
+    w1_t_scales: torch.Tensor | None = None
+    w2_t: torch.Tensor | None = None
+    w2_t_scales: torch.Tensor | None = None
 
     def dequantize_w1(self) -> torch.Tensor:
         """float32 [E, 2I, H], still interleaved (scale blocks never straddle a chunk)."""
@@ -81,7 +92,7 @@ class ExpertWeights:
     def compute_copies(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) as the forward used them, in `dtype` and master order (fc1 [gate; up]), made
         once per weight version (this object lives as long as its cache entry): what backward
-        GEMMs read."""
+        dgrad GEMMs read in recipes whose dgrad is not quantized (quantized dgrad reads w1_t, w2_t)."""
         if not self.quantized and self.w1.dtype == dtype and self.w2.dtype == dtype and 2 * self.chunk == self.w1.shape[1]:
             return self.w1, self.w2  # already master order in dtype (often the parameters themselves)
         cached = self.__dict__.get("_compute_copies")
@@ -162,6 +173,10 @@ def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> Exp
         )
     w1_data, w1_scales = quantize_weight(w1, recipe)
     w2_data, w2_scales = quantize_weight(w2, recipe)
+    dgrad_operands = {}
+    if recipe.quantized_dgrad:  # the same blocks transposed (precision.py: square blocks)
+        t = lambda a: a.transpose(1, 2).contiguous()
+        dgrad_operands = dict(w1_t=t(w1_data), w1_t_scales=t(w1_scales), w2_t=t(w2_data), w2_t_scales=t(w2_scales))
     # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
     w1_scales = interleave_gate_up(w1_scales, chunk // recipe.weight_block[0])
     return ExpertWeights(
@@ -171,4 +186,5 @@ def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> Exp
         w2=w2_data,
         w2_scales=w2_scales,
         chunk=chunk,
+        **dgrad_operands,
     )

@@ -1,7 +1,9 @@
 """The Triton GPU executor (marked `gpu`, skipped without CUDA): against the dense oracle and
 the reference executor on fresh random inputs, with every uninitialized tensor and the pushed
 regions poisoned with NaN so rows that were never written fail; bitwise repeatability; bad
-input; CUDA-graph capture."""
+input; CUDA-graph capture. With recipe fp8 all of these run the fp8 dgrads (the dense oracle
+and the reference quantize dY and dH the same way); test_fp8_backward_kernels checks the
+backward's kernels and executor wiring directly (fp8_backward_checks.py)."""
 
 import os
 
@@ -190,9 +192,9 @@ def test_triton_forward_backward_in_cuda_graph(rank_pools, world, recipe):
     rank_pools(world, "nccl").run(graph_capture, recipe)
 
 
-def triton_against_reference(rank, world, recipe):
+def triton_against_reference(rank, world, recipe, shape=None):
     """Both executors on the same GPU inputs, through the same protocol (poisoned memory)."""
-    cfg_kwargs = dict(TRITON_BASE, recipe=recipe, num_shared_experts=1, activation_clamp=6.0)
+    cfg_kwargs = dict(TRITON_BASE, recipe=recipe, num_shared_experts=1, activation_clamp=6.0, **(shape or {}))
     poison_buffer(cfg_kwargs)
     return _poisoned(_triton_against_reference, rank, world, MegaMoEConfig(**cfg_kwargs), recipe)
 
@@ -224,3 +226,28 @@ def _triton_against_reference(rank, world, cfg, recipe):
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_triton_matches_reference_executor(rank_pools, world, recipe):
     rank_pools(world, "nccl").run(triton_against_reference, recipe)
+
+
+# H != I, so a dgrad operand read untransposed cannot pass by shape (TRITON_BASE has H == I).
+WIDE_FP8 = dict(hidden=384, intermediate=256)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_triton_fp8_gradients_hidden_ne_intermediate(rank_pools, world):
+    """fp8 dgrads end to end: against the dense model of the recipe (which quantizes dY and dH the
+    same way), bitwise repeat, poisoned memory; and against the reference executor."""
+    cfg = dict(TRITON_BASE, recipe="fp8", **WIDE_FP8)
+    rank_pools(world, "nccl").run(triton_against_dense, cfg, [300, 157, 211, 64, 300, 5, 128, 77][:world], seed=77)
+    rank_pools(world, "nccl").run(triton_against_reference, "fp8", WIDE_FP8)
+
+
+def test_fp8_backward_kernels():
+    """dY quantization bit for bit quant.quantize_grad; SwiGLU backward's e4m3 dH; the executor's
+    fp8 backward against the reference executor on one GPU (closer to it than to unquantized
+    dgrads), without the bf16 compute copies; NaN-poisoned outputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fp8_backward_checks import run_all
+
+    errors = _poisoned(run_all, "cuda")
+    print({name: f"{err:.2e} (unquantized dgrads: {other:.2e})" for name, (err, other) in errors.items()})

@@ -56,8 +56,10 @@ def _tolerance(cfg):
     return 1e-5 if cfg.dtype == torch.float32 else 1e-2  # bf16 rounding of combine rows is ~2e-3
 
 
-def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto", tol=None):
-    """mega_moe on this rank (on the group's device: CUDA under NCCL) against the dense oracle on CPU."""
+def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto", tol=None,
+                      dgrad_quant=True):
+    """mega_moe on this rank (on the group's device: CUDA under NCCL) against the dense oracle on CPU
+    (dgrad_quant=False: against fp32 gradients even where the recipe quantizes dgrad inputs)."""
     cfg = MegaMoEConfig(**cfg_kwargs)
     prob = make_problem(cfg, world, tokens, seed, routing)
     E_l = cfg.num_experts // world
@@ -91,7 +93,7 @@ def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", 
     loss = 0
     for r in range(world):
         sw = SW if r == rank else [t.detach() if t is not None else None for t in SW]  # shared grads are per rank
-        y_ref_r = dense_moe(xs[r], prob["idx"][r], tws[r], W1, W2, cfg, *sw)
+        y_ref_r = dense_moe(xs[r], prob["idx"][r], tws[r], W1, W2, cfg, *sw, dgrad_quant=dgrad_quant)
         loss = loss + (y_ref_r.to(cfg.dtype).float() * prob["gy"][r].float()).sum()
         if r == rank:
             y_ref = y_ref_r.detach()
@@ -164,6 +166,21 @@ def test_bf16_dtype(rank_pools):
 def test_quantized_recipes(rank_pools, world, recipe):
     cfg = dict(BASE, recipe=recipe, hidden=256, intermediate=128, num_max_tokens_per_rank=24)
     rank_pools(world).run(run_against_dense, cfg, [24, 17][:world], seed=7, repeat=True)
+
+
+def test_fp8_gradients_against_fp32_gradients(rank_pools):
+    """The fp8 recipe's dgrad GEMMs read e4m3 gradients (1x128 blocks): against the dense model
+    of the same recipe the oracle agrees to rounding (run_against_dense's default tolerance); against
+    a dense model with all-fp32 gradients (same quantized forward, straight-through) it differs by
+    what e4m3 rounding of dY and dH costs. Measured (H = I = 256, 64 + 51 tokens, EP 2, seeds 17-19,
+    fp32 and bf16 compute): dX 3.4-3.6% (two quantized gradients on its path), d(topk weight)
+    2.0-3.1%, dW1 2.5-2.7% (its dH comes from the quantized-dY dgrad), dW2 0 (wgrad reads the
+    unquantized dY); y is untouched. e4m3's 3 mantissa bits round an element by ~2.5% rms."""
+    cfg = dict(BASE, recipe="fp8", hidden=256, intermediate=256, num_max_tokens_per_rank=64)
+    errors = rank_pools(2).run(run_against_dense, cfg, [64, 51], seed=17, tol=5e-2, dgrad_quant=False)
+    for err in errors:
+        assert err["x"] > 1e-2 and err["w1"] > 1e-2, err  # the dgrad inputs really are quantized
+        assert err["y"] < 1e-5 and err["w2"] < 1e-5, err
 
 
 def test_quantized_recipe_bf16_ep4(rank_pools):

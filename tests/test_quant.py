@@ -7,11 +7,14 @@ from megamoe_train.precision import RECIPES
 from megamoe_train.quant import (
     E2M1_VALUES,
     dequantize_act,
+    dequantize_grad,
     dequantize_weight,
     fake_quantize_act,
+    fake_quantize_grad,
     float_to_ue8m0,
     pack_fp4,
     quantize_act,
+    quantize_grad,
     quantize_weight,
     ue8m0_to_float,
     unpack_fp4,
@@ -276,3 +279,39 @@ def test_shape_errors():
         dequantize_weight(quantize_weight(torch.ones(4, 64), MX)[0], None, MX)
     with pytest.raises(ValueError, match="floating"):
         quantize_act(torch.ones(2, 128, dtype=torch.int32), FP8)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def test_grad_format_per_recipe():
+    assert FP8.grad_format == "e4m3" and FP8.quantized_dgrad
+    assert not BF16.quantized_dgrad and not MX.quantized_dgrad
+
+
+def test_fp8_gradients_quantize_like_activations():
+    g = randn(3, 5, 256, seed=11)
+    data, scales = quantize_grad(g, FP8)
+    ref_data, ref_scales = quantize_act(g, FP8)
+    assert data.dtype == torch.float8_e4m3fn and scales.shape == (3, 5, 2)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)) and torch.equal(scales, ref_scales)
+    assert torch.equal(fake_quantize_grad(g, FP8), dequantize_grad(data, scales, FP8))
+    assert torch.equal(fake_quantize_grad(g.bfloat16(), FP8), fake_quantize_act(g.bfloat16(), FP8))
+
+
+@pytest.mark.parametrize("recipe", [BF16, MX])
+def test_native_gradients_pass_through(recipe):
+    g = randn(4, 64, seed=12)
+    data, scales = quantize_grad(g, recipe)
+    assert data is g and scales is None
+    assert torch.equal(fake_quantize_grad(g, recipe), g)
+
+
+def test_gradient_shape_errors():
+    with pytest.raises(ValueError, match="quantize_grad: last dim 100 is not a multiple of the 'fp8' gradient block 128"):
+        quantize_grad(torch.randn(2, 100), FP8)
+    data, scales = quantize_grad(randn(2, 256), FP8)
+    with pytest.raises(ValueError, match="dequantize_grad: scales must have shape"):
+        dequantize_grad(data, scales[:, :1], FP8)
+    with pytest.raises(ValueError, match="quantized gradients need square weight blocks"):
+        RECIPES["fp8"].__class__("bad", "e4m3", 128, "e4m3", (1, 128), "fp32", 128, grad_format="e4m3")

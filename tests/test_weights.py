@@ -7,7 +7,7 @@ import torch
 
 from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import quantize_weight, ue8m0_to_float
+from megamoe_train.quant import dequantize_weight, quantize_weight, ue8m0_to_float
 from megamoe_train.weights import (
     ExpertWeights,
     _CACHE,
@@ -107,6 +107,37 @@ def test_fp8_transform_layout():
     assert torch.equal(deinterleave_gate_up(ew.w1.view(torch.uint8), 128), ref_data.view(torch.uint8))
     for got, want in ((deinterleave_gate_up(ew.dequantize_w1(), 128), w1), (ew.dequantize_w2(), w2)):
         assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().amax() * 2**-10).all()
+
+
+def test_fp8_dgrad_operands_are_the_forward_blocks_transposed():
+    """w1_t / w2_t (the fp8 dgrad GEMMs' B operands): the forward's quantized weights in master
+    order, transposed with their 128x128 scale blocks (H != I so a wrong transpose shows)."""
+    hidden, inter = 384, 256
+    g = torch.Generator().manual_seed(5)
+    w1 = torch.randn(E, 2 * inter, hidden, generator=g) * 0.05
+    w2 = torch.randn(E, hidden, inter, generator=g) * 0.05
+    w1[1, inter:inter + 128, 128:256] *= 50  # one up-block far larger than the rest
+    cfg = MegaMoEConfig(num_experts=E, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="fp8")
+    ew = transform_weights(w1, w2, cfg)
+    fp8 = RECIPES["fp8"]
+    assert ew.w1_t.dtype == torch.float8_e4m3fn and ew.w1_t.shape == (E, hidden, 2 * inter) and ew.w1_t.is_contiguous()
+    assert ew.w1_t_scales.dtype == torch.float32 and ew.w1_t_scales.shape == (E, hidden // 128, 2 * inter // 128)
+    assert ew.w2_t.dtype == torch.float8_e4m3fn and ew.w2_t.shape == (E, inter, hidden) and ew.w2_t.is_contiguous()
+    assert ew.w2_t_scales.shape == (E, inter // 128, hidden // 128)
+    # Same values as the forward's weights, read transposed: fc1 in master order [gate; up].
+    w1_master = deinterleave_gate_up(ew.dequantize_w1(), ew.chunk)
+    assert torch.equal(dequantize_weight(ew.w1_t, ew.w1_t_scales, fp8), w1_master.transpose(1, 2))
+    assert torch.equal(dequantize_weight(ew.w2_t, ew.w2_t_scales, fp8), ew.dequantize_w2().transpose(1, 2))
+    assert torch.equal(ew.w1_t_scales[1, 1, inter // 128], ew.w1_t_scales[1, 1].amax())  # the scaled-up block
+    # Quantizing the transposed master weights gives the same bits (square blocks).
+    data, scales = quantize_weight(w1.transpose(1, 2), fp8)
+    assert torch.equal(data.view(torch.uint8), ew.w1_t.view(torch.uint8)) and torch.equal(scales, ew.w1_t_scales)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8_mxfp4"])
+def test_no_dgrad_operands_without_quantized_dgrad(recipe):
+    ew = transform_weights(*master_weights(), config(recipe))
+    assert ew.w1_t is None and ew.w1_t_scales is None and ew.w2_t is None and ew.w2_t_scales is None
 
 
 def test_mxfp4_transform_layout():

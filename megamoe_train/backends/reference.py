@@ -10,9 +10,14 @@ Numerics (what every fast path must reproduce):
   (source, token) in float32 in ascending slot order and rounds the sum to config.dtype (the
   partial row pushed home); the home sums the partials in float32 in owner-rank order
   0..R-1, then the shared experts' row, and rounds to config.dtype;
-- backward treats every quantization as identity (straight-through) and computes in float32
-  on the dequantized forward operands; dY travels in config.dtype; dX is summed per owner and
-  at home exactly like the forward combine; d(topk weight) is float32 per slot;
+- backward treats every forward quantization as identity (straight-through) and computes in
+  float32 on the dequantized forward operands; dY travels in config.dtype. With a quantized
+  dgrad (recipe.grad_format, fp8) the two dgrad GEMMs read the output gradients as the recipe
+  stores them (quant.fake_quantize_grad): dY rows [P, H] for grad_act = dY_q @ W2, and dH rows
+  [P, 2I] in master order [gate | up] for dX = dH_q @ W1 (fc1 in master order); the weight
+  gradients read the unquantized dY and dH. d(topk weight) and the SwiGLU backward use
+  grad_act as computed. dX is summed per owner and at home exactly like the forward combine;
+  d(topk weight) is float32 per slot;
 - shared experts run densely in float32 on the home rank, in every recipe.
 """
 
@@ -24,7 +29,7 @@ import torch
 
 from ..expert_math import store_act, swiglu, swiglu_backward
 from ..plan import Plan
-from ..quant import dequantize_act
+from ..quant import dequantize_act, fake_quantize_grad
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights, deinterleave_gate_up
 
@@ -158,9 +163,10 @@ class ReferenceExecutor:
 
     def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
-        on the dequantized kernel-layout weights."""
+        on the dequantized weights; fc1 and dH in master order [gate; up]."""
         recipe = cfg.precision
-        w1, w2 = weights.dequantize_w1(), weights.dequantize_w2()
+        w1 = deinterleave_gate_up(weights.dequantize_w1(), weights.chunk)
+        w2 = weights.dequantize_w2()
         grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
         P = plan.pool_rows
         dx_rows = torch.zeros(P, cfg.hidden, dtype=cfg.dtype, device=pool_grad.device)
@@ -171,11 +177,12 @@ class ReferenceExecutor:
             h, w = state.pre_act[rows], pool.row_weights[rows, None]
             s = swiglu(h, weights.chunk, cfg.activation_clamp)
             a = dequantize_act(*store_act(s * w, recipe, cfg.dtype), recipe)  # the L2 input forward used
-            grad_a = dy @ w2[e]
-            grad_w2[e] = dy.t() @ a
+            grad_a = fake_quantize_grad(dy, recipe) @ w2[e]  # L2 dgrad
+            grad_w2[e] = dy.t() @ a  # L2 wgrad
             dw_rows[rows] = (grad_a * s).sum(1)
             grad_h = swiglu_backward(h, weights.chunk, cfg.activation_clamp, grad_a * w)
+            grad_h = deinterleave_gate_up(grad_h, weights.chunk, dim=1)
             x_in = dequantize_act(pool.x[rows], _scale_rows(pool.x_scales, rows), recipe)
-            dx_rows[rows] = (grad_h @ w1[e]).to(cfg.dtype)
-            grad_w1[e] = grad_h.t() @ x_in
-        return dx_rows, dw_rows, deinterleave_gate_up(grad_w1, weights.chunk), grad_w2
+            dx_rows[rows] = (fake_quantize_grad(grad_h, recipe) @ w1[e]).to(cfg.dtype)  # L1 dgrad
+            grad_w1[e] = grad_h.t() @ x_in  # L1 wgrad
+        return dx_rows, dw_rows, grad_w1, grad_w2

@@ -4,8 +4,11 @@
   fp8 scales, its topk weights; dY in backward) and writes it into every pool row of its slots;
 - expert MLP: L1 grouped GEMM -> fused clamp/SwiGLU/topk weight (/e4m3 requantization) -> L2
   grouped GEMM; bf16 GEMMs are torch._grouped_mm, fp8 GEMMs our block-scaled CUTLASS kernel
-  (cutlass_gemm.py; our Triton kernel where the CUDA extension was not built);
-  backward GEMMs in bf16 on the dequantized forward operands;
+  (cutlass_gemm.py; our Triton kernel where the CUDA extension was not built); backward: with
+  the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized after the pull, dH by the SwiGLU
+  backward, both e4m3 with 1x128 scales, against the transposed quantized weights
+  ExpertWeights.w2_t / w1_t), wgrad in bf16 (fp32 accumulation) on the dequantized stored
+  activations and the unquantized gradients; with bf16 every backward GEMM is bf16;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
@@ -13,9 +16,10 @@
 Nothing reads the device from the host, so forward and backward are capturable in a CUDA graph
 (bad ids are handled by the protocol's deferred verdicts).
 
-Numerics match the reference executor up to rounding: pre-activations are kept in bf16 instead
-of fp32, backward GEMMs run in bf16 with fp32 accumulation, and the shared experts use bf16
-GEMMs (fp32 accumulation, SwiGLU in fp32) where the reference uses fp32.
+Numerics match the reference executor up to rounding: pre-activations, grad_act and the wgrads'
+operands are kept in bf16 instead of fp32 (dH is quantized from fp32, as in the reference),
+GEMMs accumulate in fp32, and the shared experts use bf16 GEMMs (fp32 accumulation, SwiGLU in
+fp32) where the reference uses fp32.
 """
 
 from __future__ import annotations
@@ -146,15 +150,31 @@ class TritonExecutor:
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
     def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
-        P, I, dev = plan.pool_rows, cfg.intermediate, pool_grad.device
-        w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
-        grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
+        recipe = cfg.precision
+        P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool_grad.device
         grad_h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
         grad_row_w = torch.empty(P, dtype=torch.float32, device=dev)
-        K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows, weights.chunk, cfg.activation_clamp)
+        if recipe.quantized_dgrad:  # fp8 dgrads against the transposed quantized weights
+            e4m3 = torch.float8_e4m3fn
+            grad_q = torch.empty(P, H, dtype=e4m3, device=dev)
+            grad_q_scales = torch.empty(P, H // 128, dtype=torch.float32, device=dev)
+            K_.quantize_rows(pool_grad, grad_q, grad_q_scales, plan.num_rows)
+            grad_act = torch.empty(P, I, dtype=cfg.dtype, device=dev)
+            _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, cfg.block_m)
+            grad_h_q = torch.empty(P, 2 * I, dtype=e4m3, device=dev)
+            grad_h_scales = torch.empty(P, 2 * I // 128, dtype=torch.float32, device=dev)
+            K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
+                               weights.chunk, cfg.activation_clamp, grad_h_q, grad_h_scales)
+            grad_x_rows = torch.empty(P, H, dtype=cfg.dtype, device=dev)
+            _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, cfg.block_m)
+        else:
+            w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
+            grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
+            K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
+                               weights.chunk, cfg.activation_clamp)
+            grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
         act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
         grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
-        grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
         x_in = _as_compute(state.pool_x, state.pool_x_scales, plan.num_rows, cfg.dtype)
         grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends)
         return grad_x_rows, grad_row_w, grad_w1, grad_w2

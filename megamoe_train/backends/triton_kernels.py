@@ -137,6 +137,55 @@ def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, s
     )
 
 
+# ----------------------------------------------------------------------------- fp8 rows
+
+
+@triton.jit
+def _e4m3_blocks(v):
+    """quant.py's fp8 rounding of fp32 rows v [R, 128], one 1x128 block per row -> (e4m3 [R, 128],
+    fp32 scale [R]): scale = max(amax, 1e-4) / 448, then v / scale clamped to +-448 and cast
+    (round to nearest even). Both divisions are correctly rounded (div_rn) like torch's: Triton's
+    plain fp32 `/` is an approximate division and would change bits."""
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.zeros_like(amax) + 448.0)
+    q = tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape))
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    data, data_stride, out, out_stride, scales, scales_stride, num_rows_ptr,
+    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out, scales = e4m3 + one fp32 scale per 1xBLOCK (=128) block of the live rows of data."""
+    num_rows = tl.load(num_rows_ptr)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= num_rows:
+        return
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < num_rows
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(data + rows[:, None] * data_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    q, scale = _e4m3_blocks(v)
+    tl.store(out + rows[:, None] * out_stride + cols[None, :], q, mask=rmask[:, None])
+    tl.store(scales + rows * scales_stride + tl.program_id(1), scale, mask=rmask)
+
+
+def quantize_rows(data, out, scales, num_rows):
+    """The live rows (num_rows: int32 device scalar) of data [P, W] as the fp8 recipe stores an
+    activation or a dgrad gradient (quant.quantize_act / quantize_grad, bit for bit): e4m3 out
+    [P, W], fp32 scales [P, W/128]. Rows past num_rows are not written."""
+    rows, width = data.shape
+    assert width % 128 == 0 and out.shape == data.shape and scales.shape == (rows, width // 128)
+    assert data.stride(1) == 1 and out.stride(1) == 1 and scales.stride(1) == 1
+    grid = (triton.cdiv(rows, 32), width // 128)
+    _quantize_rows_kernel[grid](
+        data, data.stride(0), out, out.stride(0), scales, scales.stride(0), num_rows,
+        BLOCK_R=32, BLOCK=128, num_warps=4,
+    )
+
+
 # ----------------------------------------------------------------------------- SwiGLU
 
 
@@ -172,11 +221,8 @@ def _swiglu_forward_kernel(
     w = tl.load(row_weight + rows, mask=rmask, other=0)
     a = g / (1.0 + tl.exp(-g)) * u * w[:, None]
     if QUANT:
-        amax = tl.max(tl.abs(a), axis=1)
-        # quant.py's fp8 recipe: scale = max(amax, _FP32_SCALE_MIN_AMAX) / E4M3_MAX
-        scale = tl.maximum(amax, 1e-4) / 448.0
-        q = tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0)
-        tl.store(act + rows[:, None] * act_stride + j[None, :], q.to(tl.float8e4nv), mask=rmask[:, None])
+        q, scale = _e4m3_blocks(a)
+        tl.store(act + rows[:, None] * act_stride + j[None, :], q, mask=rmask[:, None])
         tl.store(act_scales + rows * scales_stride + tl.program_id(1), scale, mask=rmask)
     else:
         tl.store(act + rows[:, None] * act_stride + j[None, :], a.to(act.dtype.element_ty), mask=rmask[:, None])
@@ -201,12 +247,15 @@ def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: 
 @triton.jit
 def _swiglu_backward_kernel(
     h, h_stride, row_weight, grad_act, ga_stride, grad_h, gh_stride, grad_weight, num_rows_ptr,
+    grad_h_q, ghq_stride, grad_h_scales, ghs_stride,
     inter, clamp,
-    CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, QUANT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """From dL/d(act) with act = s * w, s = silu(g') * u': dL/dh and dL/dw per row. h is read
     interleaved (forward's layout); dL/dh is written in master order [gate | up], so the weight
-    gradient of fc1 comes out in Megatron's layout with no reordering pass.
+    gradient of fc1 comes out in Megatron's layout with no reordering pass. With QUANT, dL/dh
+    also as the fp8 dgrad reads it: e4m3 + one fp32 scale per 1x128 block, quantized from the
+    fp32 values (each BLOCK_C = 128 columns of gate or up are one block).
     One program owns whole rows, so the dL/dw sum has a fixed order (bitwise repeatable)."""
     num_rows = tl.load(num_rows_ptr)
     r0 = tl.program_id(0) * BLOCK_R
@@ -239,17 +288,35 @@ def _swiglu_backward_kernel(
         out_ty = grad_h.dtype.element_ty
         tl.store(grad_h + rows[:, None] * gh_stride + j[None, :], dg.to(out_ty), mask=rmask[:, None])
         tl.store(grad_h + rows[:, None] * gh_stride + inter + j[None, :], du.to(out_ty), mask=rmask[:, None])
+        if QUANT:
+            qg, sg = _e4m3_blocks(dg)
+            qu, su = _e4m3_blocks(du)
+            tl.store(grad_h_q + rows[:, None] * ghq_stride + j[None, :], qg, mask=rmask[:, None])
+            tl.store(grad_h_q + rows[:, None] * ghq_stride + inter + j[None, :], qu, mask=rmask[:, None])
+            tl.store(grad_h_scales + rows * ghs_stride + c // BLOCK_C, sg, mask=rmask)
+            tl.store(grad_h_scales + rows * ghs_stride + (inter + c) // BLOCK_C, su, mask=rmask)
     tl.store(grad_weight + rows, dw, mask=rmask)
 
 
-def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chunk: int, clamp: float | None):
+def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chunk: int, clamp: float | None,
+                    grad_h_q=None, grad_h_scales=None):
+    """SwiGLU + topk weight backward over the live rows: grad_h [P, 2I] master order (compute dtype),
+    d(topk weight) per row fp32; with grad_h_q / grad_h_scales also the e4m3 dH [P, 2I] and its
+    fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad."""
     rows, inter = grad_act.shape
     assert inter % 128 == 0, "intermediate size must be a multiple of 128"
+    quant = grad_h_q is not None
+    if quant:
+        assert grad_h_q.shape == grad_h.shape and grad_h_scales.shape == (rows, 2 * inter // 128)
+        assert grad_h_q.stride(1) == 1 and grad_h_scales.stride(1) == 1
     grid = (triton.cdiv(rows, 16),)
     _swiglu_backward_kernel[grid](
         h, h.stride(0), row_weight, grad_act, grad_act.stride(0), grad_h, grad_h.stride(0), grad_weight,
-        num_rows, inter, float(clamp or 0.0),
-        CHUNK=chunk, HAS_CLAMP=clamp is not None, BLOCK_R=16, BLOCK_C=128, num_warps=4,
+        num_rows,
+        grad_h_q if quant else grad_h, grad_h_q.stride(0) if quant else 0,
+        grad_h_scales if quant else grad_weight, grad_h_scales.stride(0) if quant else 0,
+        inter, float(clamp or 0.0),
+        CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=quant, BLOCK_R=16, BLOCK_C=128, num_warps=4,
     )
 
 
