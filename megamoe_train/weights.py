@@ -228,24 +228,27 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEC
     # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
     scale_chunk = chunk // recipe.weight_block[0]
     kernels = _prep_kernels(w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
+    if use_kernel is None and kernels is not None and not {w1.dtype, w2.dtype} <= set(kernels.MASTER_DTYPES):
+        kernels = None  # e.g. float64 masters: the torch ops
     if use_kernel and kernels is None:
         raise ValueError(f"use_kernel: the weight-prep kernel handles fp8 weights only, not {recipe.name!r}")
     if kernels is not None:
         w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_blocks(w1, recipe.weight_block, chunk=chunk)
         w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_blocks(w2, recipe.weight_block)
-        return ExpertWeights(recipe.name, w1_data, w1_scales, w2_data, w2_scales, chunk,
-                             w1_t, w1_t_scales, w2_t, w2_t_scales)
+        return ExpertWeights(recipe=recipe.name, w1=w1_data, w1_scales=w1_scales, w2=w2_data, w2_scales=w2_scales,
+                             chunk=chunk, w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
     w1_data, w1_scales = quantize_weight(w1, recipe)
     w2_data, w2_scales = quantize_weight(w2, recipe)
-    transposed = ()
+    dgrad_operands = {}
     if _has_dgrad_operands(recipe):
-        transposed = tuple(t.mT.contiguous() for t in (w1_data, w1_scales, w2_data, w2_scales))
+        dgrad_operands = dict(w1_t=w1_data.mT.contiguous(), w1_t_scales=w1_scales.mT.contiguous(),
+                              w2_t=w2_data.mT.contiguous(), w2_t_scales=w2_scales.mT.contiguous())
     return ExpertWeights(
-        recipe.name,
-        interleave_gate_up(w1_data, chunk),
-        interleave_gate_up(w1_scales, scale_chunk),
-        w2_data,
-        w2_scales,
-        chunk,
-        *transposed,
+        recipe=recipe.name,
+        w1=interleave_gate_up(w1_data, chunk),
+        w1_scales=interleave_gate_up(w1_scales, scale_chunk),
+        w2=w2_data,
+        w2_scales=w2_scales,
+        chunk=chunk,
+        **dgrad_operands,
     )

@@ -1,6 +1,6 @@
 """Triton kernels that prepare fp8 expert weights once per weight update.
 
-`quantize_blocks` reads a master weight [E, N, K] (fp32 / bf16 / fp16) once and, per block of
+`quantize_blocks` reads a master weight [E, N, K] (fp32 / bf16) once and, per block of
 the recipe's weight block (128 x 128 for fp8), computes the block's amax and fp32 scale and
 writes, in the same pass: the e4m3 data and scales in kernel layout (fc1: gate/up interleaved in
 chunks of rows) and the e4m3 data and scales of the master-order weight transposed ([E, K, N],
@@ -31,6 +31,9 @@ from .. import quant
 _E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
 _MIN_AMAX = tl.constexpr(quant._FP32_SCALE_MIN_AMAX)
 _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
+
+
+MASTER_DTYPES = (torch.float32, torch.bfloat16)  # what the tests cover
 
 
 def supports(device: torch.device) -> bool:
@@ -215,8 +218,8 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     num_warps 16: a 128 x 128 block then needs 64 registers per thread for sm90 (ptxas), two
     blocks per SM; 8 needs 98.
     """
-    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"weight: expected float32/bfloat16/float16, got {w.dtype}")
+    if w.dtype not in MASTER_DTYPES:
+        raise ValueError(f"weight: expected one of {MASTER_DTYPES}, got {w.dtype}")
     _check_tiling("weight", w.shape, w.device, block)
     E, N, K = w.shape
     block_n, block_k = block
