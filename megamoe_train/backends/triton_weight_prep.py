@@ -223,6 +223,8 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     _check_tiling("weight", w.shape, w.device, block)
     E, N, K = w.shape
     block_n, block_k = block
+    if max(w.stride(1), w.stride(2)) * max(block) >= 2**31:
+        w = w.contiguous()  # offsets inside a block are 32-bit
     half_blocks, chunk_blocks = _gate_up_blocks(N, block_n, chunk)
     data = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w.device)
     data_t = torch.empty(E, K, N, dtype=torch.float8_e4m3fn, device=w.device)
