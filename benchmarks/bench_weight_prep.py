@@ -155,15 +155,15 @@ def fp8(args):
                 for f in ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "w2_t_scales"):
                     a, b = getattr(ours, f), getattr(oracle, f)
                     assert torch.equal(_bits(a), _bits(b)), f"{f}: kernel != torch"
-                del oracle
+                oracle = None
                 if first_dtype:
                     mine = dataclasses.replace(ours).compute_copies(torch.bfloat16)
                     for a, b in zip(mine, dataclasses.replace(ours).compute_copies(torch.bfloat16, use_kernel=False)):
                         assert torch.equal(_bits(a), _bits(b)), "compute copies: kernel != torch"
-                    del mine, a, b
                 print("  outputs: kernel == torch, bit for bit")
             except torch.OutOfMemoryError:
                 print("  outputs: not compared here (out of memory; tests/test_weight_prep.py compares them)")
+            oracle = mine = a = b = None  # noqa: F841 (frees what a failed comparison left)
             torch.cuda.empty_cache()
 
             def row(label, fn, floor=None):
