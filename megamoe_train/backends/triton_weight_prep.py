@@ -76,7 +76,8 @@ def _e4m3_value(b, SOFT_CAST: tl.constexpr):
         normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
         magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
         magnitude = tl.where((b & 0x7F) == 0x7F, float("nan"), magnitude)
-        return tl.where(b >= 128, -magnitude, magnitude)
+        # The sign as a bit: negation can be 0 - x, which loses -0.0 (triton 3.6's interpreter).
+        return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
     else:
         return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
