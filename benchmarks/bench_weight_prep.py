@@ -203,7 +203,7 @@ def main():
     ap.add_argument("--mode", choices=("fp8", "adapter"), default="fp8")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["S1", "S4"], help="fp8 mode")
     ap.add_argument("--master-dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"], help="fp8 mode")
-    ap.add_argument("--num-warps", nargs="+", type=int, default=[4, 8, 16], help="fp8 mode: kernel sweep")
+    ap.add_argument("--num-warps", nargs="+", type=int, default=[4, 8, 16, 32], help="fp8 mode: kernel sweep")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--experts", type=int, default=128, help="adapter mode: local experts per GPU")
     ap.add_argument("--hidden", type=int, default=2048, help="adapter mode")

@@ -98,6 +98,11 @@ def _to_output(v, OUT_BF16: tl.constexpr, SOFT_CAST: tl.constexpr):
         return v
 
 
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 # ----------------------------------------------------------------------------- layouts
 
 
@@ -145,11 +150,10 @@ def _quantize_blocks_kernel(
     block = src + e * stride_e + (nb * BLOCK_N).to(tl.int64) * stride_n + (kb * BLOCK_K).to(tl.int64) * stride_k
     x = tl.load(block + r[:, None] * stride_n + c[None, :] * stride_k).to(tl.float32)
 
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    # A NaN anywhere makes the block NaN, as torch's amax / clamp_min do (Triton's max skips NaN).
-    has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
-    scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _E4M3_MAX)
-    scale = tl.where(has_nan, float("nan"), scale)
+    # One reduction over the whole block (axis None: no per-row shuffles). A NaN anywhere makes
+    # the block NaN, as torch's amax / clamp_min do (tl.max and tl.maximum skip NaN by default).
+    amax = tl.reduce(tl.abs(x), None, _max_keep_nan)
+    scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX)
     y = tl.math.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
@@ -216,8 +220,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     Returns (data, scales, data_t, scales_t): data [E, N, K] e4m3 and scales [E, N/bn, K/bk] in
     kernel layout (with chunk: gate/up interleaved in chunks of `chunk` rows, else master order);
     data_t [E, K, N] and scales_t [E, K/bk, N/bn]: the master-order data and scales transposed.
-    num_warps 16: a 128 x 128 block then needs 64 registers per thread for sm90 (ptxas), two
-    blocks per SM; 8 needs 98.
+    num_warps 16: for sm90, bf16 masters, a 128 x 128 block then needs 63 registers per thread
+    with triton 3.8 (two blocks per SM), 95 with triton 3.6 (one); 32 warps: 46 / 59. Which is
+    fastest is for benchmarks/bench_weight_prep.py (it sweeps num_warps) to say.
     """
     if w.dtype not in MASTER_DTYPES:
         raise ValueError(f"weight: expected one of {MASTER_DTYPES}, got {w.dtype}")
