@@ -98,11 +98,6 @@ def _to_output(v, OUT_BF16: tl.constexpr, SOFT_CAST: tl.constexpr):
         return v
 
 
-@triton.jit
-def _max_keep_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
 # ----------------------------------------------------------------------------- layouts
 
 
@@ -150,9 +145,10 @@ def _quantize_blocks_kernel(
     block = src + e * stride_e + (nb * BLOCK_N).to(tl.int64) * stride_n + (kb * BLOCK_K).to(tl.int64) * stride_k
     x = tl.load(block + r[:, None] * stride_n + c[None, :] * stride_k).to(tl.float32)
 
-    # One reduction over the whole block (axis None: no per-row shuffles). A NaN anywhere makes
-    # the block NaN, as torch's amax / clamp_min do (tl.max and tl.maximum skip NaN by default).
-    amax = tl.reduce(tl.abs(x), None, _max_keep_nan)
+    # amax as the integer max of |x|'s bits (monotonic for non-negative floats), one reduction
+    # over the whole block (axis None: no per-row shuffles). NaN bits exceed inf's, so a NaN
+    # anywhere makes the block NaN, as torch's amax / clamp_min do (float max skips NaN).
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX)
     y = tl.math.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
