@@ -9,6 +9,11 @@ and its scales are then interleaved together.
 Unquantized recipes (bf16) keep the master order (one chunk of width I: SwiGLU runs as its own
 pass, so no interleave is needed) and read the parameter's own storage when its dtype is the
 compute dtype: no copy per weight update at all.
+
+fp8 also keeps the operands of an FP8 dgrad GEMM: each weight quantized in master order and
+transposed (w1_t, w2_t). For CUDA tensors one Triton kernel per weight
+(backends/triton_weight_prep.py) reads the master weight once and writes both layouts with
+their scales; elsewhere, and as its oracle, the torch ops of quant.py do, with the same bits.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MegaMoEConfig
-from .precision import get_recipe
+from .precision import PrecisionRecipe, get_recipe
 from .quant import dequantize_weight, quantize_weight
 
 
@@ -55,15 +60,16 @@ class ExpertWeights:
 
     w1: fc1, gate/up interleaved in chunks of `chunk` rows: [E, 2I, H] (native or e4m3) or
       packed FP4 [E, 2I, H/2]. Native (unquantized) weights have chunk == I (master order) and
-      alias the caller's tensor when it already has the compute dtype. w1_scales: its block scales, interleaved the same way, or None.
+      alias the caller's tensor when it already has the compute dtype. w1_scales: its block
+      scales, interleaved the same way, or None.
     w2: fc2, [E, H, I] or packed [E, H, I/2]; w2_scales likewise.
-    Recipes with quantized dgrad (precision.grad_format, fp8) also carry the forward's quantized
-    weights transposed, the B operands of the dgrad GEMMs (grad_act = dY_q @ w2_t[e]^T,
-    grad_x = dH_q @ w1_t[e]^T); square scale blocks make them the same blocks read transposed:
-    w1_t: e4m3 [E, H, 2I], fc1 in master order [gate; up] (not interleaved) transposed;
-      w1_t_scales: fp32 [E, H/128, 2I/128].
-    w2_t: e4m3 [E, I, H]; w2_t_scales: fp32 [E, I/128, H/128].
-    None for the other recipes.
+    Recipes with quantized dgrad (precision.grad_format: fp8) also carry the B operands of the
+    dgrad GEMMs (grad_act = dY_q @ w2_t[e]^T, grad_x = dH_q @ w1_t[e]^T), the forward's blocks
+    read transposed (None for the other recipes):
+    w1_t: e4m3 [E, H, 2I], fc1 quantized in master order ([gate; up], not interleaved) and
+      transposed; w1_t_scales: fp32 [E, H/128, 2I/128], its block scales transposed. Dequantized,
+      w1_t is deinterleave(dequantize(w1)) transposed, bit for bit.
+    w2_t: e4m3 [E, I, H], fc2 transposed; w2_t_scales: fp32 [E, I/128, H/128].
     """
 
     recipe: str
@@ -89,18 +95,51 @@ class ExpertWeights:
     def quantized(self) -> bool:
         return self.w1_scales is not None
 
-    def compute_copies(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_copies(self, dtype: torch.dtype, *, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) as the forward used them, in `dtype` and master order (fc1 [gate; up]), made
         once per weight version (this object lives as long as its cache entry): what backward
-        dgrad GEMMs read in recipes whose dgrad is not quantized (quantized dgrad reads w1_t, w2_t)."""
+        dgrad GEMMs read in recipes whose dgrad is not quantized (quantized dgrad reads w1_t, w2_t).
+        fp8 on CUDA: one fused dequantize + deinterleave kernel per weight (use_kernel as in
+        quantize_expert_weights; both paths give the same bits)."""
         if not self.quantized and self.w1.dtype == dtype and self.w2.dtype == dtype and 2 * self.chunk == self.w1.shape[1]:
             return self.w1, self.w2  # already master order in dtype (often the parameters themselves)
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
-            w1 = deinterleave_gate_up(self.dequantize_w1(), self.chunk).to(dtype)
-            cached = (dtype, w1, self.dequantize_w2().to(dtype))
+            recipe = get_recipe(self.recipe)
+            kernels = _prep_kernels(self.w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
+            if kernels is not None and dtype in (torch.bfloat16, torch.float32):
+                block = recipe.weight_block
+                w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
+                w2 = kernels.dequantize_blocks(self.w2, self.w2_scales, dtype, block)
+            else:
+                w1 = deinterleave_gate_up(self.dequantize_w1(), self.chunk).to(dtype)
+                w2 = self.dequantize_w2().to(dtype)
+            cached = (dtype, w1, w2)
             self.__dict__["_compute_copies"] = cached
         return cached[1], cached[2]
+
+
+def _has_dgrad_operands(recipe: PrecisionRecipe) -> bool:
+    """e4m3 weights with 2-D fp32 block scales (fp8) transpose into FP8 dgrad operands and are
+    what the weight-prep kernels handle."""
+    return recipe.weight_format == "e4m3" and recipe.scale_format == "fp32"
+
+
+def _prep_kernels(device: torch.device, use_kernel: bool | None):
+    """The Triton weight-prep module if it should run: None = for CUDA tensors where triton is
+    installed and the GPU has e4m3; True = always (CPU tensors need TRITON_INTERPRET=1);
+    False = never (the torch ops)."""
+    if use_kernel is False:
+        return None
+    try:
+        from .backends import triton_weight_prep
+    except ImportError:
+        if use_kernel:
+            raise
+        return None
+    if use_kernel or (device.type == "cuda" and triton_weight_prep.supports(device)):
+        return triton_weight_prep
+    return None
 
 
 # w1 -> (cache key, weakref to w2, result). Keyed by identity: a plain WeakKeyDictionary
@@ -133,12 +172,7 @@ def _check_weight(name: str, w, expected: tuple[int, int]) -> None:
         raise ValueError(f"{name}: expected shape [E, {expected[0]}, {expected[1]}], got {list(w.shape)}")
 
 
-def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> ExpertWeights:
-    """Master expert weights -> kernel layout, cached until w1 or w2 changes.
-
-    w1: [E, 2*I, H] fc1 (gate rows, then up rows); w2: [E, H, I] fc2. Calling again with
-    the same unchanged tensors and an equivalent config returns the same object.
-    """
+def _check_weights(w1, w2, config: MegaMoEConfig) -> None:
     inter, hidden = config.intermediate, config.hidden
     _check_weight("w1", w1, (2 * inter, hidden))
     _check_weight("w2", w2, (hidden, inter))
@@ -147,6 +181,14 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig)
     if w1.device != w2.device:
         raise ValueError(f"w2: expected device {w1.device} to match w1, got {w2.device}")
 
+
+def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> ExpertWeights:
+    """Master expert weights -> kernel layout, cached until w1 or w2 changes.
+
+    w1: [E, 2*I, H] fc1 (gate rows, then up rows); w2: [E, H, I] fc2. Calling again with
+    the same unchanged tensors and an equivalent config returns the same object.
+    """
+    _check_weights(w1, w2, config)
     key = _cache_key(w1, w2, config)
     hit = _CACHE.get(w1)
     if hit is not None and hit[0] == key and hit[1]() is w2:
@@ -159,7 +201,6 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig)
 @torch.no_grad()
 def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> ExpertWeights:
     recipe = config.precision
-    chunk = recipe.gate_up_chunk
     if recipe.weight_format == "native":
         # Master order, no copy when the dtype matches: the kernels read the parameter itself, so
         # writes through `.data` (mixed-precision optimizers) are seen without invalidation.
@@ -171,18 +212,44 @@ def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> Exp
             w2_scales=None,
             chunk=config.intermediate,
         )
+    return quantize_expert_weights(w1, w2, config)
+
+
+@torch.no_grad()
+def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig, *,
+                            use_kernel: bool | None = None) -> ExpertWeights:
+    """Quantized recipes: master weights -> ExpertWeights, uncached (transform_weights caches).
+
+    use_kernel (fp8 only): None runs the Triton kernel for CUDA tensors where it can and the torch
+    ops otherwise; True / False force one. Both give the same bits.
+    """
+    _check_weights(w1, w2, config)
+    recipe = config.precision
+    if recipe.weight_format == "native":
+        raise ValueError(f"recipe: {recipe.name!r} does not quantize weights")
+    chunk = recipe.gate_up_chunk
+    # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
+    scale_chunk = chunk // recipe.weight_block[0]
+    kernels = _prep_kernels(w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
+    if use_kernel is None and kernels is not None and not {w1.dtype, w2.dtype} <= set(kernels.MASTER_DTYPES):
+        kernels = None  # e.g. float64 masters: the torch ops
+    if use_kernel and kernels is None:
+        raise ValueError(f"use_kernel: the weight-prep kernel handles fp8 weights only, not {recipe.name!r}")
+    if kernels is not None:
+        w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_blocks(w1, recipe.weight_block, chunk=chunk)
+        w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_blocks(w2, recipe.weight_block)
+        return ExpertWeights(recipe=recipe.name, w1=w1_data, w1_scales=w1_scales, w2=w2_data, w2_scales=w2_scales,
+                             chunk=chunk, w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
     w1_data, w1_scales = quantize_weight(w1, recipe)
     w2_data, w2_scales = quantize_weight(w2, recipe)
     dgrad_operands = {}
-    if recipe.quantized_dgrad:  # the same blocks transposed (precision.py: square blocks)
-        t = lambda a: a.transpose(1, 2).contiguous()
-        dgrad_operands = dict(w1_t=t(w1_data), w1_t_scales=t(w1_scales), w2_t=t(w2_data), w2_t_scales=t(w2_scales))
-    # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
-    w1_scales = interleave_gate_up(w1_scales, chunk // recipe.weight_block[0])
+    if _has_dgrad_operands(recipe):
+        dgrad_operands = dict(w1_t=w1_data.mT.contiguous(), w1_t_scales=w1_scales.mT.contiguous(),
+                              w2_t=w2_data.mT.contiguous(), w2_t_scales=w2_scales.mT.contiguous())
     return ExpertWeights(
         recipe=recipe.name,
         w1=interleave_gate_up(w1_data, chunk),
-        w1_scales=w1_scales,
+        w1_scales=interleave_gate_up(w1_scales, scale_chunk),
         w2=w2_data,
         w2_scales=w2_scales,
         chunk=chunk,

@@ -1,0 +1,268 @@
+"""Triton kernels that prepare fp8 expert weights once per weight update.
+
+`quantize_blocks` reads a master weight [E, N, K] (fp32 / bf16) once and, per block of
+the recipe's weight block (128 x 128 for fp8), computes the block's amax and fp32 scale and
+writes, in the same pass: the e4m3 data and scales in kernel layout (fc1: gate/up interleaved in
+chunks of rows) and the e4m3 data and scales of the master-order weight transposed ([E, K, N],
+the operand of an FP8 dgrad GEMM). `dequantize_blocks` turns kernel-layout data back into the
+master-order weight in a compute dtype (the copies a bf16 backward reads).
+
+Both are bit for bit what quant.quantize_weight / quant.dequantize_weight and the torch gate/up
+(de)interleave give: scale = max(amax, 1e-4) / 448 and data = x / scale with correctly rounded
+divisions (tl.math.div_rn; Triton's `/` is approximate), clamp to +-448, round to nearest even.
+
+CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, used by the tests). Its
+float casts do not round to nearest even (triton 3.8: fp32 -> bf16 truncates, fp8 rounds ties up),
+so for CPU tensors the kernels convert with integer ops that do (SOFT_CAST); on the GPU the
+hardware conversions (cvt.rn) do it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import quant
+
+# Kernels may only read constexpr globals.
+_E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
+_MIN_AMAX = tl.constexpr(quant._FP32_SCALE_MIN_AMAX)
+_E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
+
+
+MASTER_DTYPES = (torch.float32, torch.bfloat16)  # what the tests cover
+
+
+def supports(device: torch.device) -> bool:
+    """The GPU needs hardware e4m3 (sm89+); CPU tensors need the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+@triton.jit
+def _e4m3_bits(v, SOFT_CAST: tl.constexpr):
+    """float32 in [-448, 448] (or NaN) -> e4m3 (fn) bits as uint8, round to nearest even."""
+    if SOFT_CAST:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = ((bits >> 31) & 1) << 7
+        mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800000)
+        # Normal range: keep 3 mantissa bits rounding to nearest even (a carry moves into the
+        # exponent), then rebias the exponent from 127 to 7.
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        # Below 2**-6: multiples of 2**-9, codes 0..8 (8 is the smallest normal); the float add
+        # of 2**23 rounds |v| * 512 to an integer, to nearest even.
+        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        code = tl.where(mag < _E4M3_MIN_NORMAL_BITS, sub, normal)
+        code = tl.where(v != v, 0x7F, code)
+        return (code | sign).to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(b, SOFT_CAST: tl.constexpr):
+    """e4m3 (fn) bits (uint8) -> exact float32."""
+    if SOFT_CAST:
+        b = b.to(tl.int32)
+        exponent = (b >> 3) & 15
+        mantissa = b & 7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        magnitude = tl.where((b & 0x7F) == 0x7F, float("nan"), magnitude)
+        # The sign as a bit: negation can be 0 - x, which loses -0.0 (triton 3.6's interpreter).
+        return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _to_output(v, OUT_BF16: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """float32 -> what the output tensor holds: bf16 (rounded to nearest even; as int16 bits
+    under SOFT_CAST) or float32 unchanged."""
+    if OUT_BF16:
+        if SOFT_CAST:
+            bits = v.to(tl.int32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = tl.where(v != v, 0x7FC0, rounded)
+            return rounded.to(tl.int16)
+        else:
+            return v.to(tl.bfloat16)
+    else:
+        return v
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@triton.jit
+def _kernel_row_block(nb, half_blocks, chunk_blocks, GATE_UP: tl.constexpr):
+    """Row block nb of the master weight -> its row block in kernel layout. fc1 (GATE_UP):
+    [gate; up] -> gate chunk 0, up chunk 0, gate chunk 1, ... with chunks of chunk_blocks
+    blocks; fc2 keeps its order."""
+    if GATE_UP:
+        half = nb // half_blocks
+        idx = nb % half_blocks
+        return (2 * (idx // chunk_blocks) + half) * chunk_blocks + idx % chunk_blocks
+    else:
+        return nb
+
+
+@triton.jit
+def _block_ids(N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(expert, row block, column block) of this program; column blocks vary fastest."""
+    pid = tl.program_id(0)
+    k_blocks = K // BLOCK_K
+    n_blocks = N // BLOCK_N
+    kb = pid % k_blocks
+    nb = (pid // k_blocks) % n_blocks
+    e = (pid // (k_blocks * n_blocks)).to(tl.int64)
+    return e, nb, kb, n_blocks, k_blocks
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    src, stride_e, stride_n, stride_k,
+    data, scales, data_t, scales_t,
+    N, K, half_blocks, chunk_blocks,
+    GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CAST: tl.constexpr,
+):
+    """One program per weight block: read it once, write it quantized twice (kernel layout,
+    transposed master order) with its scale."""
+    e, nb, kb, n_blocks, k_blocks = _block_ids(N, K, BLOCK_N, BLOCK_K)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+    # 64-bit block bases, 32-bit offsets inside a block (fewer live registers per element).
+    block = src + e * stride_e + (nb * BLOCK_N).to(tl.int64) * stride_n + (kb * BLOCK_K).to(tl.int64) * stride_k
+    x = tl.load(block + r[:, None] * stride_n + c[None, :] * stride_k).to(tl.float32)
+
+    # amax as the integer max of |x|'s bits (monotonic for non-negative floats), one reduction
+    # over the whole block (axis None: no per-row shuffles). NaN bits exceed inf's, so a NaN
+    # anywhere makes the block NaN, as torch's amax / clamp_min do (float max skips NaN).
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX)
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    q = _e4m3_bits(y, SOFT_CAST)
+
+    kernel_nb = _kernel_row_block(nb, half_blocks, chunk_blocks, GATE_UP)
+    base = e * N * K
+    out = data + base + (kernel_nb * BLOCK_N).to(tl.int64) * K + kb * BLOCK_K
+    tl.store(out + r[:, None] * K + c[None, :], q)
+    tl.store(scales + (e * n_blocks + kernel_nb) * k_blocks + kb, scale)
+    out_t = data_t + base + (kb * BLOCK_K).to(tl.int64) * N + nb * BLOCK_N
+    tl.store(out_t + c[:, None] * N + r[None, :], tl.trans(q))
+    tl.store(scales_t + (e * k_blocks + kb) * n_blocks + nb, scale)
+
+
+@triton.jit
+def _dequantize_blocks_kernel(
+    data, scales, out,
+    N, K, half_blocks, chunk_blocks,
+    GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_BF16: tl.constexpr, SOFT_CAST: tl.constexpr,
+):
+    """One program per block of the master-order output: read its kernel-layout block, multiply
+    by the block scale in float32, convert."""
+    e, nb, kb, n_blocks, k_blocks = _block_ids(N, K, BLOCK_N, BLOCK_K)
+    kernel_nb = _kernel_row_block(nb, half_blocks, chunk_blocks, GATE_UP)
+    offsets = tl.arange(0, BLOCK_N)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+    base = e * N * K + kb * BLOCK_K
+    b = tl.load(data + base + (kernel_nb * BLOCK_N).to(tl.int64) * K + offsets)
+    scale = tl.load(scales + (e * n_blocks + kernel_nb) * k_blocks + kb)
+    v = _e4m3_value(b, SOFT_CAST) * scale
+    tl.store(out + base + (nb * BLOCK_N).to(tl.int64) * K + offsets, _to_output(v, OUT_BF16, SOFT_CAST))
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _gate_up_blocks(n: int, block_n: int, chunk: int | None) -> tuple[int, int]:
+    """(row blocks per half, row blocks per chunk) for fc1; (1, 1) unused for fc2."""
+    if chunk is None:
+        return 1, 1
+    if n % 2 or (n // 2) % chunk or chunk % block_n:
+        raise ValueError(f"gate/up rows: {n} must be 2 * I with I a multiple of chunk={chunk}, "
+                         f"itself a multiple of the block rows {block_n}")
+    return n // 2 // block_n, chunk // block_n
+
+
+def _check_tiling(name: str, shape: torch.Size, device: torch.device, block: tuple[int, int]) -> None:
+    if len(shape) != 3:
+        raise ValueError(f"{name}: expected [E, N, K], got shape {list(shape)}")
+    if any(b <= 0 or b & (b - 1) for b in block):
+        raise ValueError(f"block: {block} must be powers of two")
+    if shape[1] % block[0] or shape[2] % block[1]:
+        raise ValueError(f"{name}: shape {list(shape)} does not tile into {block} blocks")
+    if not supports(device):
+        raise ValueError(f"{name}: the weight-prep kernels need a CUDA sm89+ tensor (or a CPU one under "
+                         f"TRITON_INTERPRET=1), got {device}")
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk: int | None = None,
+                    num_warps: int = 16):
+    """Quantize w [E, N, K] to e4m3 with fp32 scales per `block` (rows, cols) in one pass.
+
+    Returns (data, scales, data_t, scales_t): data [E, N, K] e4m3 and scales [E, N/bn, K/bk] in
+    kernel layout (with chunk: gate/up interleaved in chunks of `chunk` rows, else master order);
+    data_t [E, K, N] and scales_t [E, K/bk, N/bn]: the master-order data and scales transposed.
+    num_warps 16: for sm90, bf16 masters, a 128 x 128 block then needs 63 registers per thread
+    with triton 3.8 (two blocks per SM), 95 with triton 3.6 (one); 32 warps: 46 / 59. Which is
+    fastest is for benchmarks/bench_weight_prep.py (it sweeps num_warps) to say.
+    """
+    if w.dtype not in MASTER_DTYPES:
+        raise ValueError(f"weight: expected one of {MASTER_DTYPES}, got {w.dtype}")
+    _check_tiling("weight", w.shape, w.device, block)
+    E, N, K = w.shape
+    block_n, block_k = block
+    if max(w.stride(1), w.stride(2)) * max(block) >= 2**31:
+        w = w.contiguous()  # offsets inside a block are 32-bit
+    half_blocks, chunk_blocks = _gate_up_blocks(N, block_n, chunk)
+    data = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w.device)
+    data_t = torch.empty(E, K, N, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(E, N // block_n, K // block_k, dtype=torch.float32, device=w.device)
+    scales_t = torch.empty(E, K // block_k, N // block_n, dtype=torch.float32, device=w.device)
+    grid = (E * (N // block_n) * (K // block_k),)
+    _quantize_blocks_kernel[grid](
+        w, *w.stride(), data.view(torch.uint8), scales, data_t.view(torch.uint8), scales_t,
+        N, K, half_blocks, chunk_blocks,
+        GATE_UP=chunk is not None, BLOCK_N=block_n, BLOCK_K=block_k, SOFT_CAST=w.device.type == "cpu",
+        num_warps=num_warps,
+    )
+    return data, scales, data_t, scales_t
+
+
+def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                      block: tuple[int, int] = (128, 128), chunk: int | None = None, num_warps: int = 8):
+    """Kernel-layout e4m3 data [E, N, K] and fp32 scales -> master order [E, N, K] in dtype
+    (bfloat16 or float32): the dequantized value rounded once to dtype."""
+    if data.dtype != torch.float8_e4m3fn or not data.is_contiguous():
+        raise ValueError(f"data: expected contiguous float8_e4m3fn, got {data.dtype}")
+    _check_tiling("data", data.shape, data.device, block)
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype: the kernel writes bfloat16 or float32, got {dtype}")
+    E, N, K = data.shape
+    block_n, block_k = block
+    expected = (E, N // block_n, K // block_k)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
+        raise ValueError(f"scales: expected contiguous float32 {list(expected)}, got {scales.dtype} {list(scales.shape)}")
+    half_blocks, chunk_blocks = _gate_up_blocks(N, block_n, chunk)
+    out = torch.empty(E, N, K, dtype=dtype, device=data.device)
+    soft = data.device.type == "cpu"
+    _dequantize_blocks_kernel[(E * (N // block_n) * (K // block_k),)](
+        data.view(torch.uint8), scales, out.view(torch.int16) if soft and dtype == torch.bfloat16 else out,
+        N, K, half_blocks, chunk_blocks,
+        GATE_UP=chunk is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        OUT_BF16=dtype == torch.bfloat16, SOFT_CAST=soft, num_warps=num_warps,
+    )
+    return out
