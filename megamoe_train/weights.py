@@ -107,7 +107,7 @@ class ExpertWeights:
         if cached is None or cached[0] != dtype:
             recipe = get_recipe(self.recipe)
             kernels = _prep_kernels(self.w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
-            if kernels is not None and dtype in (torch.bfloat16, torch.float32):
+            if kernels is not None and dtype in kernels.master_dtypes(self.w1.device):
                 block = recipe.weight_block
                 w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
                 w2 = kernels.dequantize_blocks(self.w2, self.w2_scales, dtype, block)
@@ -231,7 +231,7 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEC
     # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
     scale_chunk = chunk // recipe.weight_block[0]
     kernels = _prep_kernels(w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
-    if use_kernel is None and kernels is not None and not {w1.dtype, w2.dtype} <= set(kernels.MASTER_DTYPES):
+    if use_kernel is None and kernels is not None and not {w1.dtype, w2.dtype} <= set(kernels.master_dtypes(w1.device)):
         kernels = None  # e.g. float64 masters: the torch ops
     if use_kernel and kernels is None:
         raise ValueError(f"use_kernel: the weight-prep kernel handles fp8 weights only, not {recipe.name!r}")

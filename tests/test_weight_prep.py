@@ -109,7 +109,7 @@ def test_kernel_matches_torch_in_triton_interpreter():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp32 masters take the torch ops on CUDA (master_dtypes)
 @pytest.mark.parametrize("shape", [(4, 2048, 4096), (2, 1408, 7168)], ids=["E4_I2048_H4096", "E2_I1408_H7168"])
 def test_kernel_matches_torch_on_gpu(shape, dtype):
     E, I, H = shape

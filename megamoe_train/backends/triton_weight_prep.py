@@ -33,7 +33,15 @@ _MIN_AMAX = tl.constexpr(quant._FP32_SCALE_MIN_AMAX)
 _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
 
 
-MASTER_DTYPES = (torch.float32, torch.bfloat16)  # what the tests cover
+MASTER_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels are written for
+
+
+def master_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """Master (and compute-copy) dtypes the kernels take on `device`. On the GPU bf16 only: with
+    fp32 masters the H200 run of tests/test_weight_prep.py (triton 3.6) gave bits different from
+    quant.py (cause not found yet, NOTES.md 2026-11-30), so fp32 masters take the torch ops
+    there; the interpreter covers both."""
+    return (torch.bfloat16,) if device.type == "cuda" else MASTER_DTYPES
 
 
 def supports(device: torch.device) -> bool:
@@ -220,8 +228,8 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     with triton 3.8 (two blocks per SM), 95 with triton 3.6 (one); 32 warps: 46 / 59. Which is
     fastest is for benchmarks/bench_weight_prep.py (it sweeps num_warps) to say.
     """
-    if w.dtype not in MASTER_DTYPES:
-        raise ValueError(f"weight: expected one of {MASTER_DTYPES}, got {w.dtype}")
+    if w.dtype not in master_dtypes(w.device):
+        raise ValueError(f"weight: expected one of {master_dtypes(w.device)} on {w.device.type}, got {w.dtype}")
     _check_tiling("weight", w.shape, w.device, block)
     E, N, K = w.shape
     block_n, block_k = block
