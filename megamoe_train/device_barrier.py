@@ -72,11 +72,11 @@ def _barrier_kernel(
         tl.store(words + TAGS + parity, tag)
         tl.atomic_xchg(words + ARRIVED, n, sem="release", scope="sys")
     # Wait for every peer (in rank order; the first fault ends the wait).
-    polls = tl.zeros([], dtype=tl.int64)
+    polls = tl.full([], 0, tl.int64)
     start = _now(polls, GLOBALTIMER, POLL_NS)
-    kind = tl.zeros([], dtype=tl.int32)
-    peer = tl.zeros([], dtype=tl.int32)
-    value = tl.zeros([], dtype=tl.int64)
+    kind = tl.full([], 0, tl.int32)
+    peer = tl.full([], 0, tl.int32)
+    value = tl.full([], 0, tl.int64)
     for p in range(0, world):
         if kind == 0:
             seen = tl.atomic_add(mine + p * WORDS + ARRIVED, 0, sem="acquire", scope="sys")
