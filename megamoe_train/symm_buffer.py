@@ -239,20 +239,23 @@ def _agree_description(group, rank: int, description: str, timeout_s: float):
     seq = _CREATIONS.get(name, 0) + 1
     _CREATIONS[name] = seq
     store = dist.distributed_c10d._get_default_store()
-    keys = [f"megamoe-buffer/{name}/{seq}/{r}" for r in range(world)]
+    prefix = f"megamoe-buffer/{name}/{seq}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
     store.set(keys[rank], description)
     deadline = time.monotonic() + timeout_s
     missing = [r for r in range(world) if r != rank]
-    while True:
+    while missing:
         missing = [r for r in missing if not store.check([keys[r]])]
-        if not missing:
+        if missing and time.monotonic() > deadline:
+            gave_up = f"rank {rank} gave up waiting for {name_ranks(missing)} after {timeout_s}s"
             break
-        if time.monotonic() > deadline:
-            raise MegaMoEPeerError(
-                f"SymmBuffer creation (rank {rank}): {name_ranks(missing)} did not join within {timeout_s}s "
-                "(absent, or failed before)"
-            )
-        time.sleep(2e-3)
+        time.sleep(0 if not missing else 2e-3)
+    # One outcome for every rank, decided once (compare_set): a rank that arrives after a peer
+    # gave up fails too instead of going on to allocate alone.
+    outcome = store.compare_set(prefix + "outcome", "", "joined" if not missing else gave_up).decode()
+    if outcome != "joined":
+        late = "" if missing else " (this rank arrived after that)"
+        raise MegaMoEPeerError(f"SymmBuffer creation (rank {rank}): {outcome}{late}; absent, or failed before")
     texts = [description if r == rank else store.get(keys[r]).decode() for r in range(world)]
     differ = [r for r in range(world) if texts[r] != texts[0]]
     if differ:

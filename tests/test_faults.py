@@ -1,0 +1,44 @@
+"""The fault record a CUDA device barrier writes before it traps, decoded on the host
+(megamoe_train/faults.py): each kind names the rank, the peer and the call."""
+
+from megamoe_train import faults as f
+
+
+def record(**words):
+    r = [0] * f.RECORD_WORDS
+    for name, value in words.items():
+        if name in ("my_word", "peer_word"):
+            start = f.MY_WORD if name == "my_word" else f.PEER_WORD
+            r[start : start + 3] = value
+        else:
+            r[getattr(f, name.upper())] = value
+    return r
+
+
+def test_no_fault():
+    assert f.describe_fault([0] * f.RECORD_WORDS) is None
+
+
+def test_timeout_names_the_missing_rank_and_barrier():
+    text = f.describe_fault(record(kind=f.TIMED_OUT, rank=1, tag=7 * 4 + 2, peer=0, value=13, timeout_ms=2500))
+    assert text.startswith("rank 1: rank 0 did not reach barrier 2 of call 7 within 2.5s"), text
+
+
+def test_failed_peer_names_its_call():
+    text = f.describe_fault(record(kind=f.PEER_FAILED, rank=0, tag=9 * 4 + 2, peer=1, value=9 * 4 + 1))
+    assert text.startswith("rank 1 failed in call 9 and left the protocol (device barrier, rank 0 at barrier 2 of call 9)"), text
+    assert "buffer creation" in f.describe_fault(record(kind=f.PEER_FAILED, rank=0, tag=0, peer=1, value=1))
+
+
+def test_out_of_step():
+    text = f.describe_fault(record(kind=f.OUT_OF_STEP, rank=0, tag=5 * 4 + 1, peer=1, value=6 * 4 + 1))
+    assert text == "rank 0 at barrier 1 of call 5 met rank 1 at barrier 1 of call 6: the ranks are out of step"
+
+
+def test_captured_call_mismatch_and_bad_input():
+    text = f.describe_fault(record(kind=f.CALL_MISMATCH, rank=1, tag=21, peer=0, my_word=(5, 2, 11), peer_word=(5, 1, 10)))
+    assert "captured CUDA graph" in text and "different calls" in text
+    assert "rank 1: backward of forward call 5 of layer 2 (call 5); rank 0: forward of layer 1 (call 5)" in text
+    assert f.is_call_mismatch(record(kind=f.CALL_MISMATCH)) and not f.is_call_mismatch(record(kind=f.TIMED_OUT))
+    text = f.describe_fault(record(kind=f.BAD_INPUT, rank=0, tag=21, peer=1, value=2, my_word=(5, 1, 10)))
+    assert "rank 1 rejected its input" in text and "forward of layer 1 (call 5)" in text
