@@ -16,7 +16,8 @@ after the wait (every rank sees all words, so every rank decides the same).
 
 On any fault the program writes the fault record (faults.py) into pinned host memory, writes its
 failure mark into every rank's area (peers waiting on it stop at once, naming it, instead of
-timing out) unless the fault is a status mismatch (which every rank detects itself), and traps:
+timing out) unless the fault is a status mismatch (which every rank detects itself), fences
+(system scope) and traps:
 the CUDA context is lost, loudly, rather than letting rows move between mismatched calls.
 
 Under TRITON_INTERPRET=1 (CPU tests of this logic) the clock counts polls and the trap is the
@@ -35,7 +36,6 @@ from . import faults
 WORDS = 4  # int64 words per rank in an area
 ARRIVED, TAGS, FAILED = 0, 1, 3
 STATUS_OK = 1  # protocol.STATUS_OK (the protocol imports the transport, not the reverse)
-_NEVER = -7  # a value the fault record's KIND word never holds: the trap waits for that store
 
 
 def area_bytes(world: int) -> int:
@@ -51,12 +51,19 @@ def _now(polls, GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr):
     return t
 
 
+@triton.jit
+def _fence_system(x, GLOBALTIMER: tl.constexpr):
+    """fence.sc.sys: this thread's earlier writes are visible to the host and every GPU first."""
+    if GLOBALTIMER:  # i.e. compiled for a GPU (the interpreter has no fences to make)
+        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(debug=True, do_not_specialize=["area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "status_addr"])
 def _barrier_kernel(
     peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, status_addr,
     CHECK_STATUS: tl.constexpr, GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
     WORDS: tl.constexpr, ARRIVED: tl.constexpr, TAGS: tl.constexpr, FAILED: tl.constexpr,
-    STATUS_OK: tl.constexpr, NEVER: tl.constexpr,
+    STATUS_OK: tl.constexpr,
     K_TIMED_OUT: tl.constexpr, K_PEER_FAILED: tl.constexpr, K_OUT_OF_STEP: tl.constexpr,
     K_CALL_MISMATCH: tl.constexpr, K_BAD_INPUT: tl.constexpr,
     R_KIND: tl.constexpr, R_RANK: tl.constexpr, R_TAG: tl.constexpr, R_PEER: tl.constexpr,
@@ -134,15 +141,14 @@ def _barrier_kernel(
             for p in range(0, world):
                 words = (tl.load(peer_bases + p) + area_offset + me * WORDS * 8).to(tl.pointer_type(tl.int64))
                 tl.atomic_xchg(words + FAILED, tag + 1, sem="release", scope="sys")
-        # The KIND word last (release: the host never sees a kind without its details); the trap
-        # depends on the exchange's result, so it comes after the record has landed.
-        old = tl.atomic_xchg(record + R_KIND, kind.to(tl.int64), sem="release", scope="sys")
-        tl.device_assert(old == NEVER, "MegaMoE device barrier fault: see the fault record (stderr / MegaMoEPeerError)")
-        if GLOBALTIMER:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s64 p, $1, -7; @p trap; mov.b64 $0, $1; }",
-                "=l,l", [old], dtype=tl.int64, is_pure=False, pack=1,
-            )
+        # The KIND word last, each behind a system-scope fence (plain stores: no atomics on host
+        # memory): the host never sees a kind without its details, and the trap comes after both.
+        _fence_system(kind, GLOBALTIMER)
+        tl.store(record + R_KIND, kind.to(tl.int64))
+        _fence_system(kind, GLOBALTIMER)
+        tl.device_assert(kind == 0, "MegaMoE device barrier fault: see the fault record (stderr / MegaMoEPeerError)")
+        if GLOBALTIMER:  # the assert compiles only in debug mode; the trap always
+            tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [kind], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def interpreted() -> bool:
@@ -162,7 +168,7 @@ def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int
         peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(),
         0 if status is None else status.data_ptr(),
         CHECK_STATUS=status is not None, GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
-        WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK, NEVER=_NEVER,
+        WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK,
         K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,
         K_CALL_MISMATCH=f.CALL_MISMATCH, K_BAD_INPUT=f.BAD_INPUT,
         R_KIND=f.KIND, R_RANK=f.RANK, R_TAG=f.TAG, R_PEER=f.PEER, R_VALUE=f.VALUE, R_TIMEOUT_MS=f.TIMEOUT_MS,
