@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError
+
 # Fault record: int64 words.
 KIND, RANK, TAG, PEER, VALUE, TIMEOUT_MS = 0, 1, 2, 3, 4, 5
 MY_WORD, PEER_WORD = 6, 9  # (epoch, layer, phase) of this rank's and the peer's status word
@@ -85,8 +87,16 @@ def describe_fault(record) -> str | None:
     return f"rank {me}: unknown device fault {w}"
 
 
-def is_call_mismatch(record) -> bool:
-    return int(record[KIND]) in (CALL_MISMATCH, BAD_INPUT)
+def fault_error(record) -> Exception | None:
+    """The exception a fault record stands for (None if it holds none): a rejected input is a
+    MegaMoEInputError, ranks at different calls a MegaMoECallMismatchError, every other fault
+    a MegaMoEPeerError. Unlike their host-side namesakes, the buffer is lost with the context."""
+    text = describe_fault(record)
+    if text is None:
+        return None
+    kind = int(record[KIND])
+    cls = {CALL_MISMATCH: MegaMoECallMismatchError, BAD_INPUT: MegaMoEInputError}.get(kind, MegaMoEPeerError)
+    return cls(f"{text} (the device trapped: this process's CUDA context is lost)")
 
 
 def new_record() -> torch.Tensor:

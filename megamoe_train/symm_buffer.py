@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import faults
 from .config import MegaMoEConfig
-from .errors import MegaMoECallMismatchError, MegaMoEPeerError
+from .errors import MegaMoEPeerError
 from .faults import describe_failure_mark, describe_tag, name_ranks
 from .layout import BufferLayout, buffer_layout
 from .session import BufferSession
@@ -330,11 +330,7 @@ class _CudaSymmetricPeers:
 
     def fault_error(self) -> Exception | None:
         """The error of a fault this rank's device barrier recorded before it trapped, if any."""
-        record = self.fault_record
-        if record is None or int(record[faults.KIND]) == 0:
-            return None
-        cls = MegaMoECallMismatchError if faults.is_call_mismatch(record) else MegaMoEPeerError
-        return cls(f"{faults.describe_fault(record.tolist())} (the device trapped: this process's CUDA context is lost)")
+        return None if self.fault_record is None else faults.fault_error(self.fault_record.tolist())
 
     def has_fault(self) -> bool:
         return self.fault_record is not None and self._fault_kind[0] != 0

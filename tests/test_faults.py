@@ -39,6 +39,13 @@ def test_captured_call_mismatch_and_bad_input():
     text = f.describe_fault(record(kind=f.CALL_MISMATCH, rank=1, tag=21, peer=0, my_word=(5, 2, 11), peer_word=(5, 1, 10)))
     assert "captured CUDA graph" in text and "different calls" in text
     assert "rank 1: backward of forward call 5 of layer 2 (call 5); rank 0: forward of layer 1 (call 5)" in text
-    assert f.is_call_mismatch(record(kind=f.CALL_MISMATCH)) and not f.is_call_mismatch(record(kind=f.TIMED_OUT))
+    assert type(f.fault_error(record(kind=f.CALL_MISMATCH))).__name__ == "MegaMoECallMismatchError"
     text = f.describe_fault(record(kind=f.BAD_INPUT, rank=0, tag=21, peer=1, value=2, my_word=(5, 1, 10)))
     assert "rank 1 rejected its input" in text and "forward of layer 1 (call 5)" in text
+    assert type(f.fault_error(record(kind=f.BAD_INPUT))).__name__ == "MegaMoEInputError"
+
+
+def test_errors_of_records():
+    assert f.fault_error([0] * f.RECORD_WORDS) is None
+    err = f.fault_error(record(kind=f.TIMED_OUT, rank=0, tag=9, peer=1, timeout_ms=3000))
+    assert type(err).__name__ == "MegaMoEPeerError" and "rank 1 did not reach" in str(err) and "context is lost" in str(err)

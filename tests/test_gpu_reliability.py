@@ -204,6 +204,41 @@ def test_gpu_graphs_captured_at_different_calls_raise_on_both_ranks(how):
         assert elapsed < 20, elapsed  # at the first replay, not at a timeout
 
 
+def bad_ids_in_a_replay(rank, world):
+    """A captured forward replayed with an out-of-range expert id on rank 1: no host code runs to
+    raise the deferred verdict, so both ranks' devices trap, naming rank 1."""
+    cfg = MegaMoEConfig(**TRITON_BASE)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = get_symm_buffer(None, cfg, timeout_s=20)
+    layer = MegaMoELayer(cfg, device=dev, backend="triton", buffer=buf)
+    x, idx, tw = _layer_inputs(cfg, rank, world)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        layer(x, idx, tw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        layer(x, idx, tw)
+    graph.replay()  # good ids: passes
+    torch.cuda.synchronize()
+    assert buf.device_fault() is None
+    if rank == 1:
+        idx[3, 0] = cfg.num_experts  # out of range
+    started = time.monotonic()
+    graph.replay()
+    elapsed, fault = _until_trap(buf, started)
+    return type(fault).__name__, str(fault), elapsed
+
+
+def test_gpu_bad_ids_in_a_replayed_graph_trap_on_both_ranks():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for kind, text, elapsed in run_in_children(bad_ids_in_a_replay):
+        assert kind == "MegaMoEInputError" and "rank 1 rejected its input" in text, text
+        assert elapsed < 20, elapsed
+
+
 def absent_at_creation(rank, world, absent):
     cfg = MegaMoEConfig(**TRITON_BASE)
     if rank == absent:
