@@ -494,7 +494,7 @@ class SymmBuffer:
         if not self._regions:
             return
         _forget(self)
-        if self._failure is None:
+        if self._failure is None and not self._transport.has_fault():  # a trapped barrier: no peer waits for us
             try:
                 self.barrier()  # no peer may still be reading or writing our memory
             except MegaMoEPeerError:

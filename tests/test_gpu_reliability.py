@@ -1,10 +1,18 @@
 """Issue 11 on GPUs (marked `gpu`, skipped without CUDA): call divergence under NCCL with both
-executors, two streams sharing one buffer, and 64-bit offsets in the reduce kernel."""
+executors, two streams sharing one buffer, 64-bit offsets in the reduce kernel; and the faults
+that make the device barrier trap (graphs captured at different calls, bad ids in a replay, a
+rank absent at creation or at a call, a rank failing mid-call), each rank in a child process."""
+
+import os
+import queue
+import time
+import traceback
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from megamoe_train import MegaMoECallMismatchError, MegaMoEConfig, MegaMoELayer, mega_moe
+from megamoe_train import MegaMoECallMismatchError, MegaMoEConfig, MegaMoELayer, MegaMoEPeerError, get_symm_buffer, mega_moe
 from test_gpu_triton import TRITON_BASE
 from test_mega_moe_dist import make_problem
 
@@ -84,15 +92,6 @@ def test_reduce_kernel_offsets_past_2_31():
 # CUDA context is lost. So these tests run each rank in a fresh child process of its own, which
 # reports what it saw through a queue and leaves with os._exit (no teardown on a lost context).
 
-import os
-import queue
-import time
-import traceback
-
-import torch.multiprocessing as mp
-
-from megamoe_train import MegaMoEPeerError, get_symm_buffer
-
 SHORT_TIMEOUT_S = 3.0
 MARGIN_S = 4.0  # kernel launch, the host's poll of the CUDA error, process scheduling
 
@@ -106,6 +105,8 @@ def _child(rank, world, port, fn, args, results):
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        results.close()
+        results.join_thread()  # the queue's feeder thread has sent the report
         os._exit(0)
 
 
