@@ -58,10 +58,11 @@ def _fence_system(x, GLOBALTIMER: tl.constexpr):
         tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit(debug=True, do_not_specialize=["area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "status_addr"])
+@triton.jit(debug=True, do_not_specialize=[
+    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "status_addr", "check_status"])
 def _barrier_kernel(
-    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, status_addr,
-    CHECK_STATUS: tl.constexpr, GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
+    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, status_addr, check_status,
+    GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
     WORDS: tl.constexpr, ARRIVED: tl.constexpr, TAGS: tl.constexpr, FAILED: tl.constexpr,
     STATUS_OK: tl.constexpr,
     K_TIMED_OUT: tl.constexpr, K_PEER_FAILED: tl.constexpr, K_OUT_OF_STEP: tl.constexpr,
@@ -108,7 +109,7 @@ def _barrier_kernel(
                 kind = K_TIMED_OUT
                 peer = p
                 value = seen
-    if CHECK_STATUS:
+    if check_status != 0:
         # A captured call: compare the status words (verdict, epoch, layer, phase) now, since a
         # replay runs no host code that could raise the mismatch later.
         status = status_addr.to(tl.pointer_type(tl.int32))
@@ -132,7 +133,7 @@ def _barrier_kernel(
         tl.store(record + R_PEER, peer.to(tl.int64))
         tl.store(record + R_VALUE, value)
         tl.store(record + R_TIMEOUT_MS, (timeout_ns // 1000000).to(tl.int64))
-        if CHECK_STATUS:
+        if check_status != 0:
             status = status_addr.to(tl.pointer_type(tl.int32))
             for i in range(0, 3):
                 tl.store(record + R_MY_WORD + i, tl.load(status + me * 4 + 1 + i, volatile=True).to(tl.int64))
@@ -164,10 +165,13 @@ def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int
     record (int64 [RECORD_WORDS], pinned host memory). status: if given, this call's status slot
     (int32 [R, 4]) in this rank's buffer, compared after the wait (captured calls)."""
     f = faults
+    # status_addr is always some 64-bit address (the record's when unused) and check_status a
+    # runtime flag: one compiled kernel, loaded by the buffer's creation barrier, serves every
+    # barrier, so a graph capture never compiles or loads a kernel.
     _barrier_kernel[(1,)](
         peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(),
-        0 if status is None else status.data_ptr(),
-        CHECK_STATUS=status is not None, GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
+        record.data_ptr() if status is None else status.data_ptr(), int(status is not None),
+        GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
         WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK,
         K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,
         K_CALL_MISMATCH=f.CALL_MISMATCH, K_BAD_INPUT=f.BAD_INPUT,
