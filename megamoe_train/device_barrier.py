@@ -45,7 +45,9 @@ def area_bytes(world: int) -> int:
 @triton.jit
 def _now(polls, GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr):
     if GLOBALTIMER:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [polls], dtype=tl.int64, is_pure=False, pack=1)
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,l", [polls], dtype=tl.int64, is_pure=False, pack=1
+        )
     else:
         t = polls * POLL_NS
     return t
@@ -88,13 +90,16 @@ def _barrier_kernel(
     for p in range(0, world):
         if kind == 0:
             seen = tl.atomic_add(mine + p * WORDS + ARRIVED, 0, sem="acquire", scope="sys")
-            mark = tl.load(mine + p * WORDS + FAILED, volatile=True)
+            mark = tl.atomic_add(mine + p * WORDS + FAILED, 0, sem="acquire", scope="sys")
             late = (_now(polls, GLOBALTIMER, POLL_NS) - start) > timeout_ns
             while (seen < n) & (mark == 0) & (late == 0):
                 polls += 1
                 seen = tl.atomic_add(mine + p * WORDS + ARRIVED, 0, sem="acquire", scope="sys")
-                mark = tl.load(mine + p * WORDS + FAILED, volatile=True)
+                mark = tl.atomic_add(mine + p * WORDS + FAILED, 0, sem="acquire", scope="sys")
                 late = (_now(polls, GLOBALTIMER, POLL_NS) - start) > timeout_ns
+            # A peer writes its count before its mark: read after the mark, the count tells
+            # whether it had arrived here first (then its tag decides, e.g. out of step).
+            seen = tl.atomic_add(mine + p * WORDS + ARRIVED, 0, sem="acquire", scope="sys")
             if seen >= n:
                 theirs = tl.load(mine + p * WORDS + TAGS + parity, volatile=True)
                 if theirs != tag:

@@ -72,15 +72,16 @@ def describe_fault(record) -> str | None:
         return f"rank {peer} failed in {describe_failure_mark(value)} and left the protocol {where}"
     if kind == OUT_OF_STEP:
         return f"rank {me} at {describe_tag(tag)} met rank {peer} at {describe_tag(value)}: the ranks are out of step"
+    mine, theirs = describe_word(*w[MY_WORD : MY_WORD + 3]), describe_word(*w[PEER_WORD : PEER_WORD + 3])
     if kind == CALL_MISMATCH:
         return (
             f"mega_moe (rank {me}, captured CUDA graph): the ranks are at different calls of this buffer "
-            f"(rank {me}: {describe_word(*w[MY_WORD:MY_WORD + 3])}; rank {peer}: {describe_word(*w[PEER_WORD:PEER_WORD + 3])}); "
+            f"(rank {me}: {mine}; rank {peer}: {theirs}); "
             "every rank must capture and replay the layers sharing a buffer in the same order"
         )
     if kind == BAD_INPUT:
         return (
-            f"mega_moe (rank {me}, captured CUDA graph, {describe_word(*w[MY_WORD:MY_WORD + 3])}): rank {peer} rejected "
+            f"mega_moe (rank {me}, captured CUDA graph, {mine}): rank {peer} rejected "
             "its input (an expert id outside [0, num_experts); use -1 to mask a slot); a replayed graph cannot "
             "raise later, so the device traps"
         )

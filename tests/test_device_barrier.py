@@ -49,7 +49,9 @@ def _barrier_rank(rank, areas, records, statuses, steps, results):
             else:
                 _, tag, timeout_s, check = step
                 status = statuses[rank] if check else None
-                device_barrier.device_barrier(bases, 0, rank, WORLD, tag, timeout_s, records[rank], status, poll_ns=POLL_NS)
+                device_barrier.device_barrier(
+                    bases, 0, rank, WORLD, tag, timeout_s, records[rank], status, poll_ns=POLL_NS
+                )
             done.append(step[0])
         results.put((rank, done, None, None))
     except BaseException as err:  # the interpreter's stand-in for the trap (or a bug: reported too)
@@ -66,7 +68,9 @@ def run_ranks(steps, statuses=None, timeout=240):
     statuses = statuses or [torch.zeros(WORLD, 4, dtype=torch.int32) for _ in range(WORLD)]
     statuses = [s.share_memory_() for s in statuses]
     results = ctx.Queue()
-    procs = [ctx.Process(target=_barrier_rank, args=(r, areas, records, statuses, steps, results)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_barrier_rank, args=(r, areas, records, statuses, steps, results)) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:
@@ -83,7 +87,8 @@ def run_ranks(steps, statuses=None, timeout=240):
 
 
 def test_ranks_in_step_pass_and_count_barriers():
-    steps = {r: [("barrier", 0, 30.0, False), ("barrier", 21, 30.0, False), ("barrier", 22, 30.0, False)] for r in range(WORLD)}
+    three = [("barrier", 0, 30.0, False), ("barrier", 21, 30.0, False), ("barrier", 22, 30.0, False)]
+    steps = {r: three for r in range(WORLD)}
     out, areas = run_ranks(steps)
     for r in range(WORLD):
         assert out[r]["error"] is None and out[r]["record"][0] == 0, out[r]

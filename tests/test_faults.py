@@ -26,7 +26,8 @@ def test_timeout_names_the_missing_rank_and_barrier():
 
 def test_failed_peer_names_its_call():
     text = f.describe_fault(record(kind=f.PEER_FAILED, rank=0, tag=9 * 4 + 2, peer=1, value=9 * 4 + 1))
-    assert text.startswith("rank 1 failed in call 9 and left the protocol (device barrier, rank 0 at barrier 2 of call 9)"), text
+    want = "rank 1 failed in call 9 and left the protocol (device barrier, rank 0 at barrier 2 of call 9)"
+    assert text.startswith(want), text
     assert "buffer creation" in f.describe_fault(record(kind=f.PEER_FAILED, rank=0, tag=0, peer=1, value=1))
 
 
@@ -36,7 +37,8 @@ def test_out_of_step():
 
 
 def test_captured_call_mismatch_and_bad_input():
-    text = f.describe_fault(record(kind=f.CALL_MISMATCH, rank=1, tag=21, peer=0, my_word=(5, 2, 11), peer_word=(5, 1, 10)))
+    words = dict(my_word=(5, 2, 11), peer_word=(5, 1, 10))
+    text = f.describe_fault(record(kind=f.CALL_MISMATCH, rank=1, tag=21, peer=0, **words))
     assert "captured CUDA graph" in text and "different calls" in text
     assert "rank 1: backward of forward call 5 of layer 2 (call 5); rank 0: forward of layer 1 (call 5)" in text
     assert type(f.fault_error(record(kind=f.CALL_MISMATCH))).__name__ == "MegaMoECallMismatchError"
@@ -48,4 +50,5 @@ def test_captured_call_mismatch_and_bad_input():
 def test_errors_of_records():
     assert f.fault_error([0] * f.RECORD_WORDS) is None
     err = f.fault_error(record(kind=f.TIMED_OUT, rank=0, tag=9, peer=1, timeout_ms=3000))
-    assert type(err).__name__ == "MegaMoEPeerError" and "rank 1 did not reach" in str(err) and "context is lost" in str(err)
+    assert type(err).__name__ == "MegaMoEPeerError"
+    assert "rank 1 did not reach" in str(err) and "context is lost" in str(err)

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megamoe_train import MegaMoECallMismatchError, MegaMoEConfig, MegaMoELayer, MegaMoEPeerError, get_symm_buffer, mega_moe
+from megamoe_train import (
+    MegaMoECallMismatchError, MegaMoEConfig, MegaMoELayer, MegaMoEPeerError, get_symm_buffer, mega_moe,
+)
 from test_gpu_triton import TRITON_BASE
 from test_mega_moe_dist import make_problem
 
