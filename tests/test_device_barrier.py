@@ -155,3 +155,29 @@ def test_matching_status_words_pass():
     out, _ = run_ranks(steps, statuses=[_status(words), _status(words)])
     for r in range(WORLD):
         assert out[r]["error"] is None and out[r]["record"][0] == 0, out[r]
+
+
+def test_kernel_compiles_for_hopper():
+    """The compiled (not interpreted) kernel, built for sm90 without a GPU: the deadline clock,
+    system-scope acquire polls and release arrivals, the fences and the trap are all there."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from megamoe_train import device_barrier as db
+    from megamoe_train import faults as f
+
+    kernel = db._barrier_kernel
+    signature = {"peer_bases": "*i64", "area_offset": "i32", "me": "i32", "world": "i32", "tag": "i32",
+                 "timeout_ns": "i64", "record_addr": "i64", "status_addr": "i64", "check_status": "i32"}
+    constants = dict(
+        GLOBALTIMER=True, POLL_NS=1000, WORDS=db.WORDS, ARRIVED=db.ARRIVED, TAGS=db.TAGS, FAILED=db.FAILED,
+        STATUS_OK=db.STATUS_OK, K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,
+        K_CALL_MISMATCH=f.CALL_MISMATCH, K_BAD_INPUT=f.BAD_INPUT, R_KIND=f.KIND, R_RANK=f.RANK, R_TAG=f.TAG,
+        R_PEER=f.PEER, R_VALUE=f.VALUE, R_TIMEOUT_MS=f.TIMEOUT_MS, R_MY_WORD=f.MY_WORD, R_PEER_WORD=f.PEER_WORD,
+    )
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+    ptx = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, debug=True)).asm["ptx"]
+    for needed in ("%globaltimer", "ld.global.sys.acquire", "atom.global.sys.release.exch", "fence.sc.sys", "trap;"):
+        assert needed in ptx, needed

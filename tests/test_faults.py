@@ -52,3 +52,25 @@ def test_errors_of_records():
     err = f.fault_error(record(kind=f.TIMED_OUT, rank=0, tag=9, peer=1, timeout_ms=3000))
     assert type(err).__name__ == "MegaMoEPeerError"
     assert "rank 1 did not reach" in str(err) and "context is lost" in str(err)
+
+
+def test_watcher_reports_a_new_record_once_on_stderr(capsys):
+    import time
+
+    import torch
+
+    class Transport:  # what the watcher reads of a CUDA transport
+        fault_record = torch.zeros(f.RECORD_WORDS, dtype=torch.int64)
+
+    owner = Transport()
+    f.watch(owner)
+    time.sleep(3 * f.POLL_S)
+    assert "MegaMoE device fault" not in capsys.readouterr().err
+    words = record(kind=f.TIMED_OUT, rank=1, tag=7 * 4 + 1, peer=0, value=12, timeout_ms=3000)
+    owner.fault_record[1:] = torch.tensor(words[1:])
+    owner.fault_record[f.KIND] = f.TIMED_OUT  # the kind last, as the device writes it
+    time.sleep(4 * f.POLL_S)
+    err = capsys.readouterr().err
+    assert err.count("MegaMoE device fault: rank 1: rank 0 did not reach barrier 1 of call 7 within 3s") == 1, err
+    time.sleep(3 * f.POLL_S)
+    assert "MegaMoE device fault" not in capsys.readouterr().err  # once
