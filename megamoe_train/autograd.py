@@ -72,6 +72,7 @@ def mega_moe(
     is increased by the rows each local expert received. Collective: every rank of the group calls
     it; bad input on any rank raises MegaMoEInputError on every rank.
     """
+    buffer.check_usable()  # first: after a device barrier's trap this names the rank and call, not a CUDA error
     be: Backend = resolve_backend(backend, buffer)
     problem = check_inputs(
         buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device

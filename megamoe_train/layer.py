@@ -78,6 +78,8 @@ class MegaMoELayer(nn.Module):
     @property
     def buffer(self) -> SymmBuffer:
         if self._buffer is None or not self._buffer.alive:
+            if self._buffer is not None:  # after a device barrier's trap no new buffer can work: say why
+                self._buffer.raise_device_fault()
             self._buffer = get_symm_buffer(self.process_group, self.config, device=self.w1.device)
         return self._buffer
 

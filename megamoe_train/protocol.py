@@ -26,8 +26,10 @@ status has reached the host, or at once with MEGAMOE_SYNC_CHECKS=1.
 
 Failures: barriers carry the call and step (tag = epoch * 4 + step). A rank that raises anywhere
 else than at those agreed points (an unexpected host exception, a peer timeout) marks the buffer
-failed: its peers raise at their next barrier (on CPU; on CUDA it times out) and every later
-call on the buffer raises.
+failed: its peers stop at their next barrier (on CPU they raise; on CUDA their device barrier
+records the rank and call and traps, and the host raises that record at the next use) and every
+later call on the buffer raises. A captured call (CUDA graph) also compares the status words on
+the device, since its replays run no host code.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .expert_math import shared_backward, shared_forward, store_act
+from .faults import describe_word
 from .plan import Plan, build_plan, owner_mask
 from .symm_buffer import SymmBuffer
 from .weights import ExpertWeights
@@ -78,9 +81,7 @@ def _phase(call: int, forward_call: int | None) -> int:
 
 
 def _describe_word(word) -> str:
-    epoch, layer, phase = (int(v) for v in word[1:4])
-    what = "forward" if phase % 2 == 0 else f"backward of forward call {phase // 2}"
-    return f"{what} of layer {layer} (call {epoch})"
+    return describe_word(*(int(v) for v in word[1:4]))
 
 
 def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int, deferred: bool):
@@ -142,8 +143,12 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forw
     word[3].fill_(_phase(call, forward_call))
     for peer in range(buf.world_size):
         buf.regions(peer).status[parity, buf.rank].copy_(word)
-    buf.barrier(call * 4 + BARRIER_EXCHANGED)
-    status = buf.regions().status[parity].clone()
+    slot = buf.regions().status[parity]
+    # A captured call compares the words on the device (and traps on a mismatch or a rejected
+    # input): its replays run no host code, so no later call could raise what they route.
+    captured = buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    buf.barrier(call * 4 + BARRIER_EXCHANGED, check_status=slot if captured else None)
+    status = slot.clone()
     all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1:] == word[1:]).all()
     return status, call, all_ok
 
@@ -162,6 +167,7 @@ def _guarded(step):
             raise
         except BaseException as err:
             call = buf.session.call_count
+            buf.raise_device_fault(err)  # the CUDA error of a barrier's trap: say which rank and call
             buf.fail(f"rank {buf.rank} failed in call {call} ({step.__name__}): {type(err).__name__}: {err}", call * 4)
             raise
 

@@ -23,23 +23,14 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .config import MegaMoEConfig
 from .errors import MegaMoEPeerError
+from .faults import describe_failure_mark, describe_tag, name_ranks
 from .layout import BufferLayout, buffer_layout
 from .session import BufferSession
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-def _name_ranks(ranks) -> str:
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def _describe_tag(tag: int) -> str:
-    """Barrier tags: 0 for the buffer's own barriers (creation, destroy), call * 4 + step for the
-    protocol's (step 1 after the status exchange, step 2 before the reduction)."""
-    return "a buffer barrier (creation / destroy)" if tag == 0 else f"barrier {tag % 4} of call {tag // 4}"
 
 
 # One rank's /dev/shm file: a header page the transport owns, then the buffer. Header int64 words:
@@ -76,7 +67,7 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
             pending.append(r)
     if pending:
         raise MegaMoEPeerError(
-            f"SymmBuffer creation (rank {rank}): {_name_ranks(pending)} did not join within {timeout_s}s"
+            f"SymmBuffer creation (rank {rank}): {name_ranks(pending)} did not join within {timeout_s}s"
         )
     return bytes(token.tolist()).hex()
 
@@ -144,7 +135,7 @@ class _SharedMemoryPeers:
             if time.monotonic() > deadline:
                 self.maps = [m for m in maps if m is not None]
                 raise MegaMoEPeerError(
-                    f"SymmBuffer creation (rank {self.rank}): {_name_ranks(missing)} did not create their buffer "
+                    f"SymmBuffer creation (rank {self.rank}): {name_ranks(missing)} did not create their buffer "
                     f"within {self.timeout_s}s (absent, or failed before)"
                 )
             time.sleep(1e-3)
@@ -159,12 +150,13 @@ class _SharedMemoryPeers:
         differ = [r for r in range(self.world) if texts[r] != texts[0]]
         if differ:
             raise ValueError(
-                f"SymmBuffer creation (rank {self.rank}): {_name_ranks(differ)} built their buffer from another "
+                f"SymmBuffer creation (rank {self.rank}): {name_ranks(differ)} built their buffer from another "
                 f"config than rank 0 (every rank must pass the same config): "
                 + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
             )
 
-    def barrier(self, tag: int = 0):
+    def barrier(self, tag: int = 0, check_status=None):
+        # check_status is for captured CUDA calls; on CPU the protocol reads every status word on the host
         me = self.headers[self.rank]
         self.arrived += 1
         n = self.arrived
@@ -179,14 +171,13 @@ class _SharedMemoryPeers:
                 if h[_ARRIVED] >= n:  # a peer is at most one barrier ahead: slot n % 2 is still barrier n's
                     if h[_TAG + n % 2] != tag:
                         raise MegaMoEPeerError(
-                            f"rank {self.rank} at {_describe_tag(tag)} met rank {r} at {_describe_tag(h[_TAG + n % 2])}: "
+                            f"rank {self.rank} at {describe_tag(tag)} met rank {r} at {describe_tag(h[_TAG + n % 2])}: "
                             "the ranks are out of step"
                         )
                 elif h[_FAILED]:
-                    where = "buffer creation" if h[_FAILED] == 1 else f"call {(h[_FAILED] - 1) // 4}"
                     raise MegaMoEPeerError(
-                        f"rank {r} failed in {where} and left the protocol (rank {self.rank} was waiting at "
-                        f"{_describe_tag(tag)})"
+                        f"rank {r} failed in {describe_failure_mark(h[_FAILED])} and left the protocol (rank {self.rank} was waiting at "
+                        f"{describe_tag(tag)})"
                     )
                 else:
                     waiting.append(r)
@@ -196,11 +187,17 @@ class _SharedMemoryPeers:
                 deadline = deadline or now + self.timeout_s
                 if now > deadline:
                     raise MegaMoEPeerError(
-                        f"rank {self.rank}: {_name_ranks(pending)} did not reach {_describe_tag(tag)} within "
+                        f"rank {self.rank}: {name_ranks(pending)} did not reach {describe_tag(tag)} within "
                         f"{self.timeout_s}s (absent, hung, or stuck in another collective)"
                     )
                 polls += 1
                 time.sleep(0 if polls < 200 else 1e-4)
+
+    def has_fault(self) -> bool:
+        return False  # CPU barriers raise where they fail; nothing is recorded for later
+
+    def fault_error(self) -> Exception | None:
+        return None
 
     def mark_failed(self, tag: int):
         """Tell the peers (waiting at a barrier) that this rank left the protocol in call `tag // 4`."""
@@ -227,56 +224,140 @@ def _unlink(path: str):
         pass
 
 
-def _check_same_description(group, description: str):
+_CREATIONS: dict[str, int] = {}  # buffer creations per group name: the key of the next agreement
+
+
+def _agree_description(group, rank: int, description: str, timeout_s: float):
     """Every rank's buffer description equals rank 0's (CUDA creation; the CPU transport compares
-    the descriptions in its files' headers instead)."""
-    texts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(texts, description, group=group)
-    differ = [r for r, t in enumerate(texts) if t != texts[0]]
+    the descriptions in its files' headers instead). Each rank posts its description in the
+    job's c10d store and polls for its peers' with a deadline of its own, so the timeout holds
+    on every rank (a collective would wait for the process group's timeout) and names the ranks
+    that never posted. Creations of one group happen in the same order on every rank, so their
+    sequence number keys the agreement without communication."""
+    world = dist.get_world_size(group)
+    name = getattr(group, "group_name", None) or str(id(group))
+    seq = _CREATIONS.get(name, 0) + 1
+    _CREATIONS[name] = seq
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"megamoe-buffer/{name}/{seq}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    store.set(keys[rank], description)
+    deadline = time.monotonic() + timeout_s
+    missing = [r for r in range(world) if r != rank]
+    while missing:
+        missing = [r for r in missing if not store.check([keys[r]])]
+        if missing and time.monotonic() > deadline:
+            gave_up = f"rank {rank} gave up waiting for {name_ranks(missing)} after {timeout_s}s"
+            break
+        time.sleep(0 if not missing else 2e-3)
+    # One outcome for every rank, decided once (compare_set): a rank that arrives after a peer
+    # gave up fails too instead of going on to allocate alone.
+    outcome = store.compare_set(prefix + "outcome", "", "joined" if not missing else gave_up).decode()
+    if outcome != "joined":
+        late = "" if missing else " (this rank arrived after that)"
+        raise MegaMoEPeerError(f"SymmBuffer creation (rank {rank}): {outcome}{late}; absent, or failed before")
+    texts = [description if r == rank else store.get(keys[r]).decode() for r in range(world)]
+    differ = [r for r in range(world) if texts[r] != texts[0]]
     if differ:
         raise ValueError(
-            f"SymmBuffer creation: {_name_ranks(differ)} built their buffer from another config than rank 0 "
-            "(every rank must pass the same config): " + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
+            f"SymmBuffer creation (rank {rank}): {name_ranks(differ)} built their buffer from another config than "
+            "rank 0 (every rank must pass the same config): " + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
         )
 
 
 class _CudaSymmetricPeers:
-    """CUDA transport: PyTorch symmetric memory (CUDA P2P backend)."""
+    """CUDA transport: PyTorch symmetric memory (CUDA P2P backend) and our own device barrier
+    (device_barrier.py) over a barrier area at the end of every rank's allocation: tagged with
+    the call and step, a deadline on every rank, a failure mark per rank, and a fault record in
+    pinned host memory that names the rank and call when it traps (faults.py)."""
 
     def __init__(self, nbytes: int, group, device: torch.device, timeout_s: float, description: str):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        _check_same_description(group, description)
-        self.timeout_ms = int(timeout_s * 1000)
-        group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group_name)
-        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.local.zero_()
-        self.handle = symm_mem.rendezvous(self.local, group_name)
-        world = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        self.peers = [
-            self.local if r == rank else self.handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(world)
-        ]
-        ptrs = list(self.handle.buffer_ptrs)
-        if ptrs[rank] != self.local.data_ptr():
-            raise RuntimeError("symmetric memory: the local buffer does not start at its symmetric base address")
-        # Base address of every rank's buffer, for kernels that address peers directly.
-        self.base_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        self.barrier(0)
+        from .device_barrier import area_bytes
 
-    def barrier(self, tag: int = 0):
-        # device-side barrier over the signal pads; traps (a loud CUDA error) after the timeout.
-        # It carries no tag: on CUDA the status words (the call's epoch, layer and phase) and the
-        # host-side failure mark of SymmBuffer keep calls paired (docs/protocol.md).
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self.timeout_s = timeout_s
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = device
+        self.local = self.handle = self.base_ptrs = None
+        self.peers, self.areas = [], []
+        self.fault_record = None
+        _agree_description(group, self.rank, description, timeout_s)
+        self.area_offset = -(-nbytes // 256) * 256
+        total = self.area_offset + area_bytes(self.world)
+        try:
+            group_name = group.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(group_name)
+            self.local = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            self.local.zero_()
+            # zeroed before any peer can learn the address (its first barrier writes our area)
+            torch.cuda.current_stream(device).synchronize()
+            self.handle = symm_mem.rendezvous(self.local, group_name)
+            raw = [
+                self.local if r == self.rank else self.handle.get_buffer(r, (total,), torch.uint8, 0)
+                for r in range(self.world)
+            ]
+            ptrs = list(self.handle.buffer_ptrs)
+            if ptrs[self.rank] != self.local.data_ptr():
+                raise RuntimeError("symmetric memory: the local buffer does not start at its symmetric base address")
+            # Base address of every rank's buffer, for kernels that address peers directly.
+            self.base_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
+            self.peers = [b[:nbytes] for b in raw]
+            self.areas = [b[self.area_offset :].view(torch.int64) for b in raw]
+            self.fault_record = faults.new_record()
+            self._fault_kind = self.fault_record.numpy()[faults.KIND :]  # a plain load per check
+            self._mark_stream = torch.cuda.Stream(device=device)
+            faults.watch(self)
+            self.barrier(0)
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.current_stream(device).synchronize()  # a peer missing here raises now, at creation
+        except BaseException as err:
+            fault = self.fault_error()
+            self.close()
+            if fault is not None:
+                raise fault from err
+            raise
+
+    def barrier(self, tag: int = 0, check_status=None):
+        """Device barrier (one Triton program on the current stream; the host never waits).
+        check_status (this call's status slot, captured calls only): also compare the ranks'
+        status words on the device, trapping on a mismatch that no later host code could raise."""
+        from .device_barrier import device_barrier
+
+        device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
+                       self.fault_record, check_status)
+
+    def fault_error(self) -> Exception | None:
+        """The error of a fault this rank's device barrier recorded before it trapped, if any."""
+        return None if self.fault_record is None else faults.fault_error(self.fault_record.tolist())
+
+    def has_fault(self) -> bool:
+        return self.fault_record is not None and self._fault_kind[0] != 0
 
     def mark_failed(self, tag: int):
-        pass  # peers are not told; their next device barrier times out (docs/protocol.md)
+        """Tell the peers that this rank left the protocol in call `tag // 4`: its failure mark
+        goes into every rank's barrier area, from a stream of its own (this rank's stream may
+        hold a barrier that waits for them); peers at a barrier stop and trap, naming it."""
+        if not self.areas or self.has_fault():
+            return  # a trapped rank's barrier already wrote its mark (and the context is lost)
+        from .device_barrier import FAILED, WORDS
+
+        try:
+            with torch.cuda.stream(self._mark_stream):
+                for area in self.areas:
+                    area[self.rank * WORDS + FAILED].fill_(tag + 1)
+            self._mark_stream.synchronize()
+        except RuntimeError:
+            pass  # the CUDA context is lost: peers time out at their barrier instead, naming this rank
 
     def close(self):
-        self.peers = []
+        if self.local is not None and not self.has_fault():
+            try:  # no barrier of ours may still read the memory we free
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                pass
+        self.peers, self.areas = [], []
         self.base_ptrs = None
         self.handle = None
         self.local = None
@@ -335,6 +416,8 @@ class SymmBuffer:
     def check_usable(self):
         if not self._regions:
             raise RuntimeError("SymmBuffer: used after destroy()")
+        if self._failure is None and self._transport.has_fault():
+            self.raise_device_fault()
         if self._failure is not None:
             raise MegaMoEPeerError(
                 f"SymmBuffer (rank {self.rank}): unusable since {self._failure}; get_symm_buffer makes a new one "
@@ -348,6 +431,24 @@ class SymmBuffer:
             self._failure = reason
             _forget(self)
             self._transport.mark_failed(tag)
+
+    def device_fault(self) -> Exception | None:
+        """CUDA: the error a device barrier of this buffer recorded before it trapped (the
+        missing, failed or out-of-step rank and the call; or, in a captured graph, the ranks'
+        different calls), else None. The CUDA error of the trap itself (an 'unspecified launch
+        failure' or a device-side assert) surfaces at the next synchronizing CUDA call, which may
+        be anywhere in the program; this is the explanation."""
+        return self._transport.fault_error() if self._transport.has_fault() else None
+
+    def raise_device_fault(self, cause: BaseException | None = None):
+        """Raise device_fault() (the buffer is unusable from then on); nothing if there is none."""
+        fault = self.device_fault()
+        if fault is None:
+            return
+        if self._failure is None:
+            self._failure = str(fault)
+            _forget(self)
+        raise fault from cause
 
     @property
     def nbytes(self) -> int:
@@ -364,13 +465,15 @@ class SymmBuffer:
             self.check_usable()
         return self._regions[self.rank if rank is None else rank]
 
-    def barrier(self, tag: int = 0):
+    def barrier(self, tag: int = 0, check_status: torch.Tensor | None = None):
         """Cross-rank barrier: all writes any rank made before it are visible after it. `tag`
-        names the protocol step (call * 4 + step); on CPU a peer at another tag, a failed peer or
-        one missing past the timeout raises MegaMoEPeerError here, and the buffer is unusable."""
+        names the protocol step (call * 4 + step). A peer at another tag, a failed peer or one
+        missing past the timeout: on CPU MegaMoEPeerError here, and the buffer is unusable; on
+        CUDA the device barrier records the fault and traps (`device_fault()` explains it).
+        check_status (CUDA, captured calls): this call's status slot, compared on the device."""
         self.check_usable()
         try:
-            self._transport.barrier(tag)
+            self._transport.barrier(tag, check_status)
         except MegaMoEPeerError as err:
             self.fail(str(err), tag)
             raise
@@ -391,7 +494,7 @@ class SymmBuffer:
         if not self._regions:
             return
         _forget(self)
-        if self._failure is None:
+        if self._failure is None and not self._transport.has_fault():  # a trapped barrier: no peer waits for us
             try:
                 self.barrier()  # no peer may still be reading or writing our memory
             except MegaMoEPeerError:

@@ -260,3 +260,50 @@ def test_rank_dying_at_creation_leaves_no_shm_file():
         pool.close(force=True)
     left = set(glob.glob("/dev/shm/megamoe-*")) - before
     assert not left, left
+
+
+# ----------------------------------------------------------------------------- CUDA creation agreement
+# The CUDA transport compares configs through the job's c10d store (symm_buffer._agree_description);
+# it never touches a device, so gloo ranks test it here.
+
+
+def agree(rank, world, descriptions, late=None, timeout_s=SHORT_TIMEOUT_S):
+    from megamoe_train import MegaMoEPeerError
+    from megamoe_train.symm_buffer import _agree_description
+
+    group = torch.distributed.group.WORLD
+    outcomes = []
+    for description in descriptions[rank]:
+        if rank == late:
+            time.sleep(timeout_s + 1.5)
+        start = time.monotonic()
+        try:
+            _agree_description(group, rank, description, timeout_s)
+            outcomes.append(("ok", time.monotonic() - start))
+        except (MegaMoEPeerError, ValueError) as err:
+            outcomes.append((f"{type(err).__name__}: {err}", time.monotonic() - start))
+    return outcomes
+
+
+def test_cuda_creation_agreement_matching_and_differing_configs(rank_pools):
+    same, other = "cfg A on 2 ranks, 100 bytes", "cfg B on 2 ranks, 100 bytes"
+    out = rank_pools(2).run(agree, {0: [same, same, same], 1: [same, other, same]})
+    for rank in range(2):
+        (first, _), (second, _), (third, _) = out[rank]
+        assert first == "ok" and third == "ok", out  # agreements in sequence never mix
+        assert second.startswith("ValueError") and "rank 1 built their buffer from another config" in second, second
+        assert "rank 1: cfg B" in second and "rank 0: cfg A" in second
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_cuda_creation_agreement_names_the_absent_rank_on_every_rank(late):
+    pool = RankPool(2)
+    try:
+        out = pool.run(agree, {0: ["cfg"], 1: ["cfg"]}, late, timeout=60)
+    finally:
+        pool.close(force=True)
+    (waited, elapsed), = out[1 - late]
+    assert f"gave up waiting for rank {late} after {SHORT_TIMEOUT_S}s" in waited, waited
+    assert elapsed < SHORT_TIMEOUT_S + 1, elapsed  # its own deadline, not the process group's
+    (came_late, _), = out[late]  # the late rank fails too instead of allocating alone
+    assert "MegaMoEPeerError" in came_late and "arrived after that" in came_late, came_late
