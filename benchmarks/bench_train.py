@@ -12,7 +12,7 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
 - loss agreement with the stock variant: max relative difference of the per-step losses, and the
   relative difference of the mean of the last 20 losses.
-Prints a markdown table and writes DIR/bench_train.json. Runs on CPU too (then no profile / memory).
+Prints a markdown table and writes DIR/bench_train.json and DIR/loss_curves.png. Runs on CPU too (then no profile / memory).
 """
 
 from __future__ import annotations
@@ -117,6 +117,43 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
     return "\n".join(lines)
 
 
+def plot_losses(rows: list[dict], path: str, title: str) -> str | None:
+    """Loss per step of every variant on one axis, and each variant's running mean relative to the
+    first variant's (the agreement a precision change must keep). None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in rows if r.get("losses")]
+    if not rows:
+        return None
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
+    window = 20
+
+    def smooth(v):
+        return [sum(v[max(0, i - window + 1):i + 1]) / len(v[max(0, i - window + 1):i + 1]) for i in range(len(v))]
+
+    base = smooth(rows[0]["losses"])
+    for r in rows:
+        steps = range(1, len(r["losses"]) + 1)
+        ax.plot(steps, r["losses"], lw=0.6, alpha=0.8, label=r["variant"])
+        mean = smooth(r["losses"])
+        rel.plot(steps, [100 * (m - b) / b for m, b in zip(mean, base)], lw=1, label=r["variant"])
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    rel.set_ylabel(f"mean of {window} vs {rows[0]['variant']} (%)")
+    rel.set_xlabel("step")
+    rel.axhline(0, color="grey", lw=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe")
@@ -151,6 +188,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"[bench_train] wrote {os.path.join(args.out, 'bench_train.json')}", flush=True)
+    plot = plot_losses(rows, os.path.join(args.out, "loss_curves.png"), f"{os.path.basename(args.recipe)}, {args.steps} steps")
+    if plot:
+        print(f"[bench_train] wrote {plot}", flush=True)
     return 0 if all("error" not in r for r in rows) else 1
 
 
