@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_layer import SHAPES  # noqa: E402  (experts, topk, hidden, intermediate, tokens per GPU)
+from timing import median_ms  # noqa: E402
 
 from megamoe_train.backends import cutlass_gemm  # noqa: E402
 from megamoe_train.backends import triton_kernels as K_  # noqa: E402
@@ -31,19 +32,7 @@ SWIZZLES = (1, 4)
 
 
 def bench(fn, iters=30, warmup=5) -> float:
-    """Median ms of one call, each timed alone by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, iters, warmup)
 
 
 def peaks(dev) -> tuple[float, float]:

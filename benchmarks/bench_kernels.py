@@ -26,26 +26,11 @@ from megamoe_train.quant import quantize_act, quantize_weight
 from megamoe_train.precision import get_recipe
 
 from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
+from timing import median_ms as bench
 
 # Tile configurations of our fp8 grouped GEMM to compare (block_n, stages, warps, group_m);
 # block_m is the pool's block (128).
 FP8_CONFIGS = ((128, 4, 8, 8), (128, 3, 8, 8), (128, 5, 8, 8), (128, 4, 4, 8), (128, 4, 8, 16), (128, 4, 8, 1), (64, 4, 4, 8))
-
-
-def bench(fn, iters=20, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def gemm_case(E_l, rows_per_expert, N, Kd, block_m, dev):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 
@@ -40,24 +39,14 @@ from megamoe_train import MegaMoEConfig
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import quantize_weight
 from megamoe_train.weights import clear_weight_cache, interleave_gate_up, quantize_expert_weights, transform_weights
+from timing import median_ms
 
 SHAPES = {"S1": (128, 4096, 2048), "S4": (128, 7168, 2048)}  # (E_local, H, I)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def bench(fn, iters=10, warmup=2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup)
 
 
 def adapter(args):
