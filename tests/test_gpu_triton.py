@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dense_moe import dense_moe
+from poison import poisoned
 from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
 from test_mega_moe_dist import make_problem, rel_err, run_against_dense
 
@@ -19,16 +20,6 @@ pytestmark = pytest.mark.gpu
 WORLDS = [w for w in (1, 2, 4, 8) if torch.cuda.is_available() and w <= torch.cuda.device_count()]
 TRITON_BASE = dict(num_experts=16, hidden=256, intermediate=256, topk=4, num_max_tokens_per_rank=300,
                    block_m=64, dtype=torch.bfloat16)
-
-
-def _poisoned(fn, *args, **kwargs):
-    """Run fn with torch.empty filled with NaN (the caller poisons the pushed regions)."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def poison_buffer(cfg_kwargs):
@@ -46,7 +37,7 @@ def _gpu_tolerance(cfg_kwargs):
 
 def triton_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform"):
     poison_buffer(cfg_kwargs)
-    return _poisoned(run_against_dense, rank, world, cfg_kwargs, tokens, seed, routing=routing, repeat=True,
+    return poisoned(run_against_dense, rank, world, cfg_kwargs, tokens, seed, routing=routing, repeat=True,
                      backend="triton", tol=_gpu_tolerance(cfg_kwargs))
 
 
@@ -196,7 +187,7 @@ def triton_against_reference(rank, world, recipe, shape=None):
     """Both executors on the same GPU inputs, through the same protocol (poisoned memory)."""
     cfg_kwargs = dict(TRITON_BASE, recipe=recipe, num_shared_experts=1, activation_clamp=6.0, **(shape or {}))
     poison_buffer(cfg_kwargs)
-    return _poisoned(_triton_against_reference, rank, world, MegaMoEConfig(**cfg_kwargs), recipe)
+    return poisoned(_triton_against_reference, rank, world, MegaMoEConfig(**cfg_kwargs), recipe)
 
 
 def _triton_against_reference(rank, world, cfg, recipe):
@@ -249,5 +240,5 @@ def test_fp8_backward_kernels():
         pytest.skip("needs a CUDA GPU")
     from fp8_backward_checks import run_all
 
-    errors = _poisoned(run_all, "cuda")
+    errors = poisoned(run_all, "cuda")
     print({name: f"{err:.2e} (unquantized dgrads: {other:.2e})" for name, (err, other) in errors.items()})

@@ -13,6 +13,7 @@ from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import quantize_weight
 from megamoe_train.weights import deinterleave_gate_up, interleave_gate_up, quantize_expert_weights
+from poison import poisoned
 
 FP8 = RECIPES["fp8"]
 
@@ -52,16 +53,6 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not diff.any(), f"{what}: {int(diff.sum())} of {diff.numel()} elements differ, first at {diff.nonzero()[0].tolist()}"
 
 
-def _poisoned(fn, *args, **kwargs):
-    """Run fn with torch.empty filled with NaN / max ints, so elements never written fail."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
 FIELDS = ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "w2_t_scales")
 
 
@@ -70,14 +61,14 @@ def check_expert_weights(e: int, inter: int, hidden: int, dtype: torch.dtype, se
     cfg = MegaMoEConfig(num_experts=e, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="fp8")
     w1 = master_weight(e, 2 * inter, hidden, dtype, seed, device)
     w2 = master_weight(e, hidden, inter, dtype, seed + 1, device)
-    got = _poisoned(quantize_expert_weights, w1, w2, cfg, use_kernel=True)
+    got = poisoned(quantize_expert_weights, w1, w2, cfg, use_kernel=True)
     want = quantize_expert_weights(w1, w2, cfg, use_kernel=False)
     for name in FIELDS:
         assert getattr(got, name).is_contiguous(), name
         assert_same_bits(getattr(got, name), getattr(want, name), f"{name} ({dtype}, E={e} I={inter} H={hidden})")
     assert got.chunk == want.chunk == FP8.gate_up_chunk
     for out_dtype in _dtypes(device):
-        copies = _poisoned(got.compute_copies, out_dtype, use_kernel=True)
+        copies = poisoned(got.compute_copies, out_dtype, use_kernel=True)
         # A fresh torch-path object: compute_copies caches per object.
         oracle = quantize_expert_weights(w1, w2, cfg, use_kernel=False).compute_copies(out_dtype, use_kernel=False)
         for name, a, b in zip(("w1", "w2"), copies, oracle):
@@ -90,19 +81,19 @@ def check_chunk_and_strides(device="cpu") -> None:
 
     base = master_weight(2, 1024, 512, _dtypes(device)[-1], seed=5, device=device)
     w = base.transpose(1, 2)  # [2, 512, 1024], strided
-    data, scales, data_t, scales_t = _poisoned(quantize_blocks, w)
+    data, scales, data_t, scales_t = poisoned(quantize_blocks, w)
     ref_data, ref_scales = quantize_weight(w, FP8)
     assert_same_bits(data, ref_data, "strided data")
     assert_same_bits(scales, ref_scales, "strided scales")
     assert_same_bits(data_t, ref_data.mT.contiguous(), "strided data_t")
     assert_same_bits(scales_t, ref_scales.mT.contiguous(), "strided scales_t")
 
-    data, scales, data_t, _ = _poisoned(quantize_blocks, base, chunk=256)
+    data, scales, data_t, _ = poisoned(quantize_blocks, base, chunk=256)
     ref_data, ref_scales = quantize_weight(base, FP8)
     assert_same_bits(data, interleave_gate_up(ref_data, 256), "chunk 256 data")
     assert_same_bits(scales, interleave_gate_up(ref_scales, 2), "chunk 256 scales")
     assert_same_bits(data_t, ref_data.mT.contiguous(), "chunk 256 data_t")
-    out = _poisoned(dequantize_blocks, data, scales, torch.bfloat16, chunk=256)
+    out = poisoned(dequantize_blocks, data, scales, torch.bfloat16, chunk=256)
     from megamoe_train.quant import dequantize_weight
 
     assert_same_bits(out, deinterleave_gate_up(dequantize_weight(data, scales, FP8), 256).to(torch.bfloat16), "chunk 256 copies")
@@ -126,7 +117,7 @@ def check_every_rounding(device="cpu") -> None:
     w[0, 127, 127] = w[0, 127, 255] = 448.0  # both blocks: amax 448
     w = w.to(device)
     if torch.float32 in _dtypes(device):  # the ties need fp32 masters (bf16 cannot hold the midpoints)
-        data, scales, _, _ = _poisoned(quantize_blocks, w)
+        data, scales, _, _ = poisoned(quantize_blocks, w)
         ref_data, ref_scales = quantize_weight(w, FP8)
         assert (ref_scales == 1).all()
         assert_same_bits(scales, ref_scales, "scale-1 scales")
@@ -135,7 +126,7 @@ def check_every_rounding(device="cpu") -> None:
     every_code = torch.arange(256, dtype=torch.uint8).repeat(128).view(1, 128, 256).view(torch.float8_e4m3fn).to(device)
     scales = torch.tensor([[[0.37, 3e-5]]], device=device)
     for dtype in _dtypes(device):
-        out = _poisoned(dequantize_blocks, every_code, scales, dtype)
+        out = poisoned(dequantize_blocks, every_code, scales, dtype)
         ref = (every_code.float().unflatten(-1, (2, 128)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
         nan = ref.isnan()
         assert torch.equal(out.isnan(), nan), f"{dtype}: NaN codes"
