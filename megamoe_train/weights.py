@@ -106,7 +106,7 @@ class ExpertWeights:
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
             recipe = get_recipe(self.recipe)
-            kernels = _prep_kernels(self.w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
+            kernels = _prep_kernels(self.w1.device, use_kernel) if _kernels_handle(recipe) else None
             if kernels is not None and dtype in kernels.master_dtypes(self.w1.device):
                 block = recipe.weight_block
                 w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
@@ -119,9 +119,8 @@ class ExpertWeights:
         return cached[1], cached[2]
 
 
-def _has_dgrad_operands(recipe: PrecisionRecipe) -> bool:
-    """e4m3 weights with 2-D fp32 block scales (fp8) transpose into FP8 dgrad operands and are
-    what the weight-prep kernels handle."""
+def _kernels_handle(recipe: PrecisionRecipe) -> bool:
+    """The weight-prep kernels handle e4m3 weights with 2-D fp32 block scales (fp8)."""
     return recipe.weight_format == "e4m3" and recipe.scale_format == "fp32"
 
 
@@ -230,7 +229,7 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEC
     chunk = recipe.gate_up_chunk
     # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
     scale_chunk = chunk // recipe.weight_block[0]
-    kernels = _prep_kernels(w1.device, use_kernel) if _has_dgrad_operands(recipe) else None
+    kernels = _prep_kernels(w1.device, use_kernel) if _kernels_handle(recipe) else None
     if use_kernel is None and kernels is not None and not {w1.dtype, w2.dtype} <= set(kernels.master_dtypes(w1.device)):
         kernels = None  # e.g. float64 masters: the torch ops
     if use_kernel and kernels is None:
@@ -238,12 +237,15 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEC
     if kernels is not None:
         w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_blocks(w1, recipe.weight_block, chunk=chunk)
         w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_blocks(w2, recipe.weight_block)
+        dgrad_operands = {}
+        if recipe.quantized_dgrad:  # the kernel writes them in the same pass anyway
+            dgrad_operands = dict(w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
         return ExpertWeights(recipe=recipe.name, w1=w1_data, w1_scales=w1_scales, w2=w2_data, w2_scales=w2_scales,
-                             chunk=chunk, w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
+                             chunk=chunk, **dgrad_operands)
     w1_data, w1_scales = quantize_weight(w1, recipe)
     w2_data, w2_scales = quantize_weight(w2, recipe)
     dgrad_operands = {}
-    if _has_dgrad_operands(recipe):
+    if recipe.quantized_dgrad:  # the same blocks read transposed (precision.py: square blocks)
         dgrad_operands = dict(w1_t=w1_data.mT.contiguous(), w1_t_scales=w1_scales.mT.contiguous(),
                               w2_t=w2_data.mT.contiguous(), w2_t_scales=w2_scales.mT.contiguous())
     return ExpertWeights(
