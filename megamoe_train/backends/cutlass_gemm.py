@@ -13,6 +13,8 @@ whether this process can use it (sm_90 only: the kernels use wgmma).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -33,7 +35,14 @@ _WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
 def available(device: torch.device) -> bool:
-    return _cuda is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if _cuda is None or device.type != "cuda":
+        return False
+    return _is_sm90(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:  # asked before every GEMM: read the device once
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _workspace(kind: str, device: torch.device, groups: int, variant: int, layout: int, stream) -> torch.Tensor:
