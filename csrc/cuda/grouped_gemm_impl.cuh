@@ -54,6 +54,7 @@ struct DeviceGuard {
 // LayoutB: ColumnMajor = B[g] stored [N, K] (K contiguous); RowMajor = stored [K, N].
 template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule>
 struct GroupedGemm {
+  using Element = ElementAB;
   static constexpr bool kBlockScaled = std::is_same_v<ElementAB, cutlass::float_e4m3_t>;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
@@ -179,9 +180,8 @@ struct GroupedGemm {
 // CUTLASS reads for it. 64-bit offsets throughout (pools past 2^31 elements).
 template <class G>
 __global__ void fill_group_arrays(typename G::GroupArrays arr, const int32_t* group_ends, int num_groups, int n,
-                                  int k, const typename G::GroupArrays* /*tag*/, const void* a, const float* sfa,
-                                  const void* b, const float* sfb, void* d) {
-  using ElementAB = std::remove_cv_t<std::remove_pointer_t<std::remove_pointer_t<decltype(arr.a)>>>;
+                                  int k, const void* a, const float* sfa, const void* b, const float* sfb, void* d) {
+  using ElementAB = typename G::Element;
   int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= num_groups) return;
   int64_t start = g == 0 ? 0 : group_ends[g - 1];
@@ -228,7 +228,7 @@ const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, E
 
   constexpr int kThreads = 128;
   fill_group_arrays<Self><<<(p.num_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      arr, p.group_ends, p.num_groups, p.n, p.k, nullptr, p.a, p.a_scales, p.b, p.b_scales, p.d);
+      arr, p.group_ends, p.num_groups, p.n, p.k, p.a, p.a_scales, p.b, p.b_scales, p.d);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cudaGetErrorString(err);
 
