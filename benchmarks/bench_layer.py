@@ -54,6 +54,7 @@ SHAPES = {
     "S2": (128, 8, 2048, 768, 16384),
     "S3": (8, 2, 4096, 14336, 8192),
     "S4": (256, 8, 7168, 2048, 4096),  # DeepSeek-V3's expert width
+    "P": (256, 8, 2048, 512, 8192),  # recipes/deepseek_v3_proxy_*: the MoE layer of the training benchmark
     "tiny": (8, 2, 256, 128, 64),
 }
 
@@ -595,7 +596,7 @@ def _torchrun_main(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda s: [t for t in s.split(",") if t]  # noqa: E731
-    p.add_argument("--shapes", type=csv, default=["S1", "S2", "S3"], help="comma list of S1,S2,S3")
+    p.add_argument("--shapes", type=csv, default=["S1", "S2", "S3"], help="comma list of S1,S2,S3,S4,P (P: the training proxy's MoE layer)")
     p.add_argument("--tiny", action="store_true", help="tiny smoke shape (E8 k2 H256 I128 T64); on CPU uses backend reference")
     p.add_argument("--routing", type=csv, default=["uniform", "skewed"])
     p.add_argument("--recipes", type=csv, default=["bf16", "fp8"])

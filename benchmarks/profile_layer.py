@@ -49,6 +49,29 @@ def _time(fn, iters: int) -> float:
     return float(t)
 
 
+def _busy_summary(prof) -> str:
+    """Kernel launches, summed kernel time and the union of kernel intervals over the profiled
+    window: where the GPU waits on the host (launch-bound) rather than on its kernels."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return "no CUDA kernels profiled"
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    total = sum(e - s for s, e in spans)
+    window = spans[-1][1] - spans[0][0]
+    return (f"profiled forward+backward: {len(spans)} kernels, {total / 1e3:.3f} ms of kernel time, GPU busy "
+            f"{busy / 1e3:.3f} of {window / 1e3:.3f} ms first-to-last kernel ({100 * busy / window:.0f}%)")
+
+
 def worker(rank, world, shape, recipe, backend, iters):
     E, K, H, I, T = SHAPES[shape]
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
@@ -77,6 +100,7 @@ def worker(rank, world, shape, recipe, backend, iters):
         fwd_bwd()
         torch.cuda.synchronize()
     if rank == 0:
+        print(_busy_summary(prof), flush=True)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=40), flush=True)
 
