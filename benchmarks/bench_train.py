@@ -1,7 +1,7 @@
 """Training throughput of one recipe, end to end: MegaMoE bf16, MegaMoE fp8 and Megatron's stock
 MoE layer (alltoall dispatcher + SequentialMLP), same recipe, seed and data, in one run.
 
-    python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock]
+    python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock,bf16-graph,fp8-graph]
         [--profile-steps 3] [--out DIR] [--set SECTION.KEY=VALUE ...]
 
 Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Reported per variant:
@@ -28,7 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-VARIANTS = {"bf16": "bf16", "fp8": "fp8", "stock": None}  # name -> moe.megamoe_recipe
+# name -> (moe.megamoe_recipe, extra recipe settings); "-graph": MoE layers replayed from CUDA graphs
+VARIANTS = {
+    "bf16": ("bf16", []),
+    "fp8": ("fp8", []),
+    "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
+    "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true"]),
+    "stock": (None, []),
+}
 
 
 def _records(run_dir: str) -> list[dict]:
@@ -42,12 +49,12 @@ def run_variant(recipe_path: str, name: str, steps: int, out: str, overrides: li
 
     run_dir = os.path.join(out, name)
     args = [recipe_path, "--steps", str(steps), "--no-resume", "--run-dir", run_dir,
-            "--set", f"moe.megamoe_recipe={'null' if VARIANTS[name] is None else VARIANTS[name]}",
+            "--set", f"moe.megamoe_recipe={'null' if VARIANTS[name][0] is None else VARIANTS[name][0]}",
             "--set", "run.checkpoint=false", "--set", "run.plot_every=0", "--set", f"run.log_every={max(1, steps // 10)}",
             "--set", f"train.steps={steps}"]
     if profile_at is not None:
         args += ["--set", f"run.profile_at={profile_at}", "--set", f"run.profile_steps={profile_steps}"]
-    for o in overrides:
+    for o in VARIANTS[name][1] + overrides:
         args += ["--set", o]
     start = time.perf_counter()
     code = train(args)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .autograd import mega_moe
+from .graphs import GraphedMegaMoE
 from .config import MegaMoEConfig
 from .symm_buffer import SymmBuffer, get_symm_buffer, register_layer
 
@@ -20,7 +21,9 @@ class MegaMoELayer(nn.Module):
 
     Parameters: w1 [E_local, 2I, H] (gate rows, then up rows), w2 [E_local, H, I], and with
     shared experts shared_w1 [2W, H], shared_w2 [H, W]. `expert_recv_stats` (int64 [E_local])
-    accumulates the rows every local expert received from all ranks until reset.
+    accumulates the rows every local expert received from all ranks until reset. With
+    cuda_graph=True a CUDA layer captures its call at the first training forward and replays
+    it afterwards (graphs.py: the contract, e.g. one forward in flight).
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class MegaMoELayer(nn.Module):
         init_std: float = 0.02,
         backend: str = "auto",
         buffer: SymmBuffer | None = None,
+        cuda_graph: bool = False,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -57,6 +61,8 @@ class MegaMoELayer(nn.Module):
             self.shared_w2 = nn.Parameter(torch.empty(H, W, device=device, dtype=dtype))
         else:
             self.shared_w1 = self.shared_w2 = None
+        self.cuda_graph = cuda_graph  # on CUDA: replay forward/backward from graphs (graphs.py)
+        self._graphed: GraphedMegaMoE | None = None
         self.register_buffer("expert_recv_stats", torch.zeros(E, dtype=torch.int64, device=device), persistent=False)
         self.reset_parameters(init_std)
 
@@ -94,6 +100,12 @@ class MegaMoELayer(nn.Module):
         return stats
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.cuda_graph and x.is_cuda:
+            buffer = self.buffer
+            if self._graphed is None or self._graphed.buffer is not buffer:
+                self._graphed = GraphedMegaMoE(buffer, self.w1, self.w2, shared_w1=self.shared_w1, shared_w2=self.shared_w2,
+                                               backend=self.backend, layer_id=self.layer_id)
+            return self._graphed(x, topk_idx, topk_weights, self.expert_recv_stats)
         return mega_moe(
             x,
             topk_idx,

@@ -185,9 +185,14 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig)
     """Master expert weights -> kernel layout, cached until w1 or w2 changes.
 
     w1: [E, 2*I, H] fc1 (gate rows, then up rows); w2: [E, H, I] fc2. Calling again with
-    the same unchanged tensors and an equivalent config returns the same object.
+    the same unchanged tensors and an equivalent config returns the same object. While a CUDA
+    graph is being captured the transform is captured too (no cache).
     """
     _check_weights(w1, w2, config)
+    if w1.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A captured graph replays the transform itself, so every replay reads the weights as
+        # they are then; nothing computed during capture may be handed to an eager call.
+        return _transform(w1.detach(), w2.detach(), config)
     key = _cache_key(w1, w2, config)
     hit = _CACHE.get(w1)
     if hit is not None and hit[0] == key and hit[1]() is w2:

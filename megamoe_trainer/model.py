@@ -60,6 +60,7 @@ def transformer_config(recipe):
         moe_router_dtype="fp32",
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,
+        moe_megamoe_cuda_graph=moe.megamoe_cuda_graph,
         moe_megamoe_max_tokens_per_rank=recipe.max_tokens_per_rank,
     )
 

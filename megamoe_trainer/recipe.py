@@ -91,6 +91,7 @@ class MoESection:
     z_loss_coeff: Optional[float] = None
     megamoe_recipe: Optional[str] = "bf16"  # None = stock Megatron MoE; else one of MEGAMOE_RECIPES
     megamoe_backend: str = "auto"
+    megamoe_cuda_graph: bool = False  # replay each MoE layer's call from a CUDA graph (CUDA only; megamoe_train.graphs)
     max_tokens_per_rank: Optional[int] = None  # MegaMoE buffer size; None = micro_batch * seq_length
 
 
@@ -380,6 +381,8 @@ def validate(recipe: Recipe) -> Recipe:
         if recipe.max_tokens_per_rank < t.micro_batch_size * m.seq_length:
             raise RecipeError("moe.max_tokens_per_rank", f"{moe.max_tokens_per_rank} is below the tokens one rank routes per step "
                               f"(train.micro_batch_size * model.seq_length = {t.micro_batch_size * m.seq_length})")
+        if moe.megamoe_cuda_graph and recipe.parallel.device != "cuda":
+            raise RecipeError("moe.megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
         _check_megamoe_shapes(recipe)
 
     # data

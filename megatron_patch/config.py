@@ -42,11 +42,17 @@ class MegaMoETransformerConfig(TransformerConfig):
       `max_tokens_per_rank(...)`. Set it explicitly if later calls can be larger (evaluation
       with a bigger micro batch, variable sequence lengths): a larger call raises
       MegaMoEInputError on every rank.
+    moe_megamoe_cuda_graph: replay each MoE layer's mega_moe call from a CUDA graph captured at
+      its first training call (megamoe_train.graphs): the host issues two graph launches instead
+      of ~100 kernels and ops per call. Needs CUDA, the stacked expert parameters (the default
+      MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer and
+      no pipeline parallelism (one forward in flight per layer).
     """
 
     moe_megamoe_recipe: Optional[str] = None
     moe_megamoe_backend: str = "auto"
     moe_megamoe_max_tokens_per_rank: Optional[int] = None
+    moe_megamoe_cuda_graph: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -145,6 +151,11 @@ def validate_megamoe(config) -> None:
     if _get(config, "transformer_impl") == "inference_optimized":
         bad("transformer_impl", "'inference_optimized' is not supported")
     megamoe_config(config)  # the recipe's shape rules, under Megatron's names
+    if _get(config, "moe_megamoe_cuda_graph"):  # one forward in flight per layer (megamoe_train.graphs)
+        if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1:
+            bad("moe_megamoe_cuda_graph", "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)")
+        if _get(config, "recompute_granularity") is not None:
+            bad("moe_megamoe_cuda_graph", f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})")
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
         bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
 

@@ -26,6 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe, register_layer
+from megamoe_train.graphs import GraphedMegaMoE
 
 from .config import MegaMoEConfigError, megamoe_config, megamoe_enabled, validate_megamoe
 from .experts import MegaMoEExperts, native_expert_weights
@@ -66,6 +67,7 @@ class MegaMoECall:
         self.max_tokens = config.moe_megamoe_max_tokens_per_rank
         self._mm_configs: dict[torch.dtype, MegaMoEConfig] = {}
         self.layer_id = register_layer(ep_group)  # layers of equal shape share a buffer; this tells them apart
+        self.graphed: GraphedMegaMoE | None = None  # moe_megamoe_cuda_graph: built at the first CUDA call
 
     def _agree_max_tokens(self, tokens: int, device: torch.device) -> int:
         t = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -94,6 +96,11 @@ class MegaMoECall:
         shared = {}
         if cfg.num_shared_experts:
             shared = dict(shared_w1=self.shared_experts.linear_fc1.weight, shared_w2=self.shared_experts.linear_fc2.weight)
+        if getattr(self.config, "moe_megamoe_cuda_graph", False) and x.is_cuda and isinstance(self.experts, MegaMoEExperts):
+            if self.graphed is None or self.graphed.buffer is not buffer:
+                self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
+                                              layer_id=self.layer_id, **shared)
+            return self.graphed(x, topk_idx, topk_weights, recv_stats)
         return mega_moe(
             x,
             topk_idx,

@@ -93,6 +93,17 @@ def test_rejected_by_validate(setting, value):
         validate_megamoe(cfg)
 
 
+def test_cuda_graph_needs_one_forward_in_flight():
+    assert make(moe_megamoe_cuda_graph=True).moe_megamoe_cuda_graph
+    for setting, value in (("recompute_granularity", "selective"), ("pipeline_model_parallel_size", 2)):
+        cfg = make(moe_megamoe_cuda_graph=True)
+        setattr(cfg, setting, value)
+        with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_cuda_graph:"):
+            validate_megamoe(cfg)
+        cfg.moe_megamoe_cuda_graph = False
+        validate_megamoe(cfg)  # only the graphs need it
+
+
 def test_layer_without_recipe_refuses():
     from megatron_patch import MegaMoEMoELayer
 

@@ -73,6 +73,7 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["data.path=/nonexistent/corpus"], "data.path"),  # missing file
         (["moe.megamoe_recipe=fp8", "model.hidden_size=96", "model.num_attention_heads=4"], "model.hidden_size"),
         (["moe.megamoe_backend=warp9"], "moe.megamoe_backend"),  # rejected by the adapter's config check
+        (["moe.megamoe_cuda_graph=true"], "moe.megamoe_cuda_graph"),  # CUDA graphs on the CPU recipe
         (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
         (["model.attention=flash"], "model.attention"),
         (["run.peak_tflops=0"], "run.peak_tflops"),

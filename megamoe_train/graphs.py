@@ -1,0 +1,151 @@
+"""mega_moe replayed from CUDA graphs: one captured forward and one captured backward per layer.
+
+Why: an eager mega_moe call issues ~100 kernels and torch ops from Python (publish, status
+exchange, the plan's sorts and scatters, Triton launches, the GEMMs). At the training proxy's
+shape that is ~5 ms of host time per forward against ~1.5 ms of GPU time, so a training step's
+forward waits on the host. A replayed graph costs the host a few tens of microseconds.
+
+What makes it possible: the GPU executor never reads the device on the host (no host sync,
+shapes independent of the routing), its barriers count on the device, and a captured call
+checks the ranks' status words on the device (protocol.py, "CUDA graphs" in docs/protocol.md).
+
+What is captured, per layer: the whole call, including the expert-weight preparation (fp8
+quantization), so every replay reads the weights as they are now (weights.transform_weights
+neither reads nor fills its cache while capturing). Inputs are copied into static tensors
+before a replay, the output is copied out; parameter gradients are the graph's static tensors.
+
+Contract (checked where it can be):
+- every rank replays the graphed layers sharing a buffer in the same order (as for eager calls);
+- one forward in flight per layer: its backward runs before the same layer's next forward
+  (no pipeline-parallel interleaving, no activation recompute of this layer);
+- a call whose inputs differ in shape, dtype or requires_grad from the captured ones, or that
+  runs with autograd disabled, runs eagerly (a correct, slower call);
+- bad expert ids in a replay trap the process (a captured call cannot raise; the device
+  barrier records the rank and call first);
+- parameter gradients: a parameter with Megatron's `main_grad` gets the static gradient tensor
+  itself (Megatron's gradient hook folds it into main_grad right away); any other parameter
+  gets it through autograd's accumulation, which copies it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .autograd import mega_moe
+from .symm_buffer import SymmBuffer
+
+
+def _signature(*tensors: torch.Tensor) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
+
+
+class GraphedMegaMoE:
+    """A mega_moe call over fixed weights (Parameters, whose storage never moves) and one buffer,
+    captured at its first call with gradients enabled and replayed afterwards.
+
+    call(x, topk_idx, topk_weights, recv_stats=None) -> y, like mega_moe with the weights given
+    here. Built per layer (layers sharing a buffer keep their own layer_id and graphs).
+    """
+
+    def __init__(self, buffer: SymmBuffer, w1, w2, *, shared_w1=None, shared_w2=None, backend: str = "auto",
+                 layer_id: int = 0, warmup_calls: int = 2):
+        if buffer.device.type != "cuda":
+            raise ValueError("GraphedMegaMoE: CUDA graphs need a CUDA buffer")
+        self.buffer = buffer
+        self.params = [p for p in (w1, w2, shared_w1, shared_w2) if p is not None]
+        self.w1, self.w2, self.shared_w1, self.shared_w2 = w1, w2, shared_w1, shared_w2
+        self.backend = backend
+        self.layer_id = layer_id
+        self.warmup_calls = warmup_calls
+        self._captured_signature = None
+        self.replays = 0
+
+    # ------------------------------------------------------------------ capture
+
+    def _call(self, x, topk_idx, topk_weights, recv_stats):
+        return mega_moe(x, topk_idx, topk_weights, self.w1, self.w2, self.buffer, shared_w1=self.shared_w1,
+                        shared_w2=self.shared_w2, recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id)
+
+    def _grad_inputs(self):
+        return [t for t in (self.x, self.topk_weights, *self.params) if t.requires_grad]
+
+    def _capture(self, x, topk_idx, topk_weights):
+        dev = x.device
+        self.x = x.detach().clone().requires_grad_(x.requires_grad)
+        self.topk_idx = topk_idx.detach().clone()
+        self.topk_weights = topk_weights.detach().clone().requires_grad_(topk_weights.requires_grad)
+        self.recv_counts = torch.zeros(self.buffer.num_local_experts, dtype=torch.int64, device=dev)
+        self.grad_y = torch.empty_like(x, dtype=self.buffer.config.dtype)
+        inputs = self._grad_inputs()
+
+        # Warm-up calls on a side stream (as torch.cuda.make_graphed_callables does): the Triton
+        # kernels compile and the CUTLASS workspaces are allocated before capture.
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_calls):
+                y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts)
+                torch.autograd.grad(y, inputs, self.grad_y.normal_(), allow_unused=True)
+            del y
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+        self.pool = torch.cuda.graph_pool_handle()
+        self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd_graph, pool=self.pool):
+            self.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts)
+        with torch.cuda.graph(self.bwd_graph, pool=self.pool):
+            self.grads = torch.autograd.grad(self.y, inputs, self.grad_y, allow_unused=True)
+        self.recv_counts.zero_()  # the warm-up calls counted rows
+        self._captured_signature = _signature(x, topk_idx, topk_weights)
+
+    # ------------------------------------------------------------------ replay
+
+    def __call__(self, x, topk_idx, topk_weights, recv_stats=None):
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, topk_weights, *self.params)):
+            return self._call(x, topk_idx, topk_weights, recv_stats)
+        if self._captured_signature is None:
+            self._capture(x, topk_idx, topk_weights)
+        elif _signature(x, topk_idx, topk_weights) != self._captured_signature:
+            return self._call(x, topk_idx, topk_weights, recv_stats)
+        self.replays += 1
+        y = _Replay.apply(self, x, topk_weights, topk_idx, *self.params)
+        if recv_stats is not None:
+            recv_stats += self.recv_counts
+        self.recv_counts.zero_()
+        return y
+
+
+class _Replay(torch.autograd.Function):
+    """Forward replays the captured forward; backward the captured backward. The differentiable
+    inputs are x, topk_weights and the parameters, in that order (as captured)."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedMegaMoE, x, topk_weights, topk_idx, *params):
+        graphed.x.copy_(x)
+        graphed.topk_weights.copy_(topk_weights)
+        graphed.topk_idx.copy_(topk_idx)
+        graphed.fwd_graph.replay()
+        ctx.graphed = graphed
+        ctx.mark_non_differentiable(topk_idx)
+        return graphed.y.detach().clone()  # the static output is overwritten by the next replay
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        g: GraphedMegaMoE = ctx.graphed
+        g.grad_y.copy_(grad_y)
+        g.bwd_graph.replay()
+        grads = iter(g.grads)
+        out = []
+        for t in (g.x, g.topk_weights):
+            out.append(next(grads).clone() if t.requires_grad else None)
+        out.append(None)  # topk_idx
+        param_grads = []
+        for p in g.params:
+            if not p.requires_grad:
+                param_grads.append(None)
+                continue
+            grad = next(grads)
+            # Megatron's hook moves .grad into main_grad at once: hand over the static tensor
+            # (a fresh alias, which autograd adopts without a copy). Otherwise autograd copies it.
+            param_grads.append(grad.detach() if hasattr(p, "main_grad") else grad)
+        return (None, *out[:2], out[2], *param_grads)
