@@ -53,7 +53,7 @@ class GraphedMegaMoE:
             raise ValueError("GraphedMegaMoE: CUDA graphs need a CUDA buffer")
         self.buffer = buffer
         self.params = [p for p in (w1, w2, shared_w1, shared_w2) if p is not None]
-        self.w1, self.w2, self.shared_w1, self.shared_w2 = w1, w2, shared_w1, shared_w2
+        self.weights = (w1, w2, shared_w1, shared_w2)  # what eager calls read
         self.backend = backend
         self.layer_id = layer_id
         self.warmup_calls = warmup_calls
@@ -62,14 +62,20 @@ class GraphedMegaMoE:
 
     # ------------------------------------------------------------------ capture
 
-    def _call(self, x, topk_idx, topk_weights, recv_stats):
-        return mega_moe(x, topk_idx, topk_weights, self.w1, self.w2, self.buffer, shared_w1=self.shared_w1,
-                        shared_w2=self.shared_w2, recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id)
+    def _call(self, x, topk_idx, topk_weights, recv_stats, weights=None):
+        w1, w2, sw1, sw2 = weights or self.weights
+        return mega_moe(x, topk_idx, topk_weights, w1, w2, self.buffer, shared_w1=sw1, shared_w2=sw2,
+                        recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id)
 
     def _grad_inputs(self):
-        return [t for t in (self.x, self.topk_weights, *self.params) if t.requires_grad]
+        params = [w for w in self.leaves if w is not None]
+        return [t for t in (self.x, self.topk_weights, *params) if t.requires_grad]
 
     def _capture(self, x, topk_idx, topk_weights):
+        # The graphs differentiate leaves that alias the parameters' storage, not the parameters:
+        # a parameter's gradient-accumulation node can outlive iterations (Megatron's DDP keeps
+        # it) on the stream it was made on, and autograd would join that stream into the capture.
+        self.leaves = tuple(None if w is None else w.detach().requires_grad_(w.requires_grad) for w in self.weights)
         dev = x.device
         self.x = x.detach().clone().requires_grad_(x.requires_grad)
         self.topk_idx = topk_idx.detach().clone()
@@ -84,7 +90,7 @@ class GraphedMegaMoE:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_calls):
-                y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts)
+                y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves)
                 torch.autograd.grad(y, inputs, self.grad_y.normal_(), allow_unused=True)
             del y
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -92,7 +98,7 @@ class GraphedMegaMoE:
         self.pool = torch.cuda.graph_pool_handle()
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_graph, pool=self.pool):
-            self.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts)
+            self.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves)
         with torch.cuda.graph(self.bwd_graph, pool=self.pool):
             self.grads = torch.autograd.grad(self.y, inputs, self.grad_y, allow_unused=True)
         self.recv_counts.zero_()  # the warm-up calls counted rows
