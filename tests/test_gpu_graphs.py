@@ -60,10 +60,11 @@ def graphed_steps(rank, world, recipe):
     x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
     tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
     once = run(graphed, x, idx, tw, gy, None)
+    fresh = lambda t: t.clone().requires_grad_()  # the captured signature: inputs that require grad
     for p in params:
         p.grad = None
     for _ in range(2):
-        graphed(x, idx, tw).backward(gy)
+        graphed(fresh(x), idx, fresh(tw)).backward(gy)
     for name, p, g in zip(names[3:], params, once[3:]):
         assert torch.equal(p.grad, g + g), name
 
@@ -77,7 +78,7 @@ def graphed_steps(rank, world, recipe):
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)
         p.register_post_accumulate_grad_hook(fold_into_main_grad)
     for _ in range(2):
-        graphed(x, idx, tw).backward(gy)
+        graphed(fresh(x), idx, fresh(tw)).backward(gy)
     torch.cuda.synchronize()
     for name, p, g in zip(names[3:], params, once[3:]):
         assert torch.equal(p.main_grad, 2 * g.float()), name
