@@ -256,6 +256,9 @@ def quantize_tokens_t(values: torch.Tensor, recipe: PrecisionRecipe) -> tuple[to
         return values.t(), None
     if not values.is_floating_point() or values.dim() != 2:
         raise ValueError(f"quantize_tokens_t: expected a floating tensor [P, C], got {values.dtype} {list(values.shape)}")
+    if values.shape[0] % recipe.act_block:
+        raise ValueError(f"quantize_tokens_t: {values.shape[0]} rows are not a multiple of the {recipe.name!r} "
+                         f"wgrad token block {recipe.act_block}")
     data, scales = _quantize_rows("quantize_tokens_t", values.t(), recipe.wgrad_format, recipe.act_block,
                                   recipe.scale_format, f"{recipe.name!r} wgrad token")
     return data.contiguous(), scales.contiguous()
