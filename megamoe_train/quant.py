@@ -255,7 +255,8 @@ def quantize_tokens_t(values: torch.Tensor, recipe: PrecisionRecipe) -> tuple[to
     if recipe.wgrad_format == "native":
         return values.t(), None
     if not values.is_floating_point() or values.dim() != 2:
-        raise ValueError(f"quantize_tokens_t: expected a floating tensor [P, C], got {values.dtype} {list(values.shape)}")
+        raise ValueError(f"quantize_tokens_t: expected a floating tensor [P, C], got {values.dtype} "
+                         f"{list(values.shape)}")
     if values.shape[0] % recipe.act_block:
         raise ValueError(f"quantize_tokens_t: {values.shape[0]} rows are not a multiple of the {recipe.name!r} "
                          f"wgrad token block {recipe.act_block}")

@@ -91,7 +91,8 @@ def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", 
     tws = [t.clone().requires_grad_() for t in prob["w"]]
     W1, W2 = prob["w1"].clone().requires_grad_(), prob["w2"].clone().requires_grad_()
     SW = [prob[k].clone().requires_grad_() for k in ("sw1", "sw2")] if shared else [None, None]
-    sws = [SW if r == rank else [t.detach() if t is not None else None for t in SW] for r in range(world)]  # shared grads are per rank
+    detached = [t.detach() if t is not None else None for t in SW]
+    sws = [SW if r == rank else detached for r in range(world)]  # shared grads are per rank
     y_refs = dense_moe_ranks(xs, prob["idx"], tws, W1, W2, cfg, sws, dgrad_quant=dgrad_quant, wgrad_quant=wgrad_quant)
     loss = sum((y_ref_r.to(cfg.dtype).float() * gy_r.float()).sum() for y_ref_r, gy_r in zip(y_refs, prob["gy"]))
     y_ref = y_refs[rank].detach()

@@ -20,8 +20,8 @@ Numerics (what every fast path must reproduce):
   through quant.fake_quantize_tokens over the expert's rows in pool order (1x128 blocks along
   the rows from the expert's first row, the last block padded with zero rows: the blocks of
   the GPU executor's 128-aligned pool), dH rounded to config.dtype first (what the executor
-  keeps). d(topk weight) and the SwiGLU backward use grad_act as computed. dX is summed per owner and at home exactly like the forward combine;
-  d(topk weight) is float32 per slot;
+  keeps). d(topk weight) and the SwiGLU backward use grad_act as computed. dX is summed per
+  owner and at home exactly like the forward combine; d(topk weight) is float32 per slot;
 - shared experts run densely in float32 on the home rank, in every recipe.
 """
 
