@@ -29,8 +29,15 @@ class PrecisionRecipe:
     "native" (the compute dtype, on the dequantized weights) or "e4m3", quantized exactly like
     an activation (1 x act_block blocks along the reduction dim, scale_format scales: quant.py's
     quantize_grad) against the forward's quantized weight blocks read transposed (so
-    weight_block must be square). Weight gradients always run in the compute dtype (fp32
-    accumulation) on the unquantized gradients and the stored activations.
+    weight_block must be square).
+    wgrad_format: how backward's two weight-gradient GEMMs (dW2 = dY^T a, dW1 = dH^T x, reducing
+    over the expert's pool rows) read both operands: "native" (the unquantized gradient and the
+    stored activation dequantized, in the compute dtype) or "e4m3": each operand quantized per
+    column in 1 x act_block blocks along the pool rows (tokens), the 128-row blocks counted from
+    each expert's first pool row (padding rows zero), with the activation's rounding and
+    scale_format scales (quant.py's quantize_tokens_t). The operands are dY as pulled (compute
+    dtype), dH as backward keeps it (the SwiGLU backward's fp32 value rounded to the compute
+    dtype) and the stored L2 / L1 inputs a, x (dequantized to fp32 first).
     """
 
     name: str
@@ -41,6 +48,7 @@ class PrecisionRecipe:
     scale_format: str
     gate_up_chunk: int
     grad_format: str = "native"
+    wgrad_format: str = "native"
 
     def __post_init__(self):
         if self.grad_format != "native":
@@ -48,6 +56,8 @@ class PrecisionRecipe:
                 raise ValueError(
                     f"recipe {self.name!r}: quantized gradients need square weight blocks and activation blocks"
                 )
+        if self.wgrad_format != "native" and self.act_block <= 0:
+            raise ValueError(f"recipe {self.name!r}: a quantized wgrad needs activation blocks (act_block)")
 
     @property
     def quantized(self) -> bool:
@@ -57,6 +67,11 @@ class PrecisionRecipe:
     def quantized_dgrad(self) -> bool:
         """Whether backward's dgrad GEMMs take quantized gradients (and transposed quantized weights)."""
         return self.grad_format != "native"
+
+    @property
+    def quantized_wgrad(self) -> bool:
+        """Whether backward's wgrad GEMMs read both operands quantized along the token dim."""
+        return self.wgrad_format != "native"
 
     def act_storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         return compute_dtype if self.act_format == "native" else torch.float8_e4m3fn
@@ -69,8 +84,10 @@ class PrecisionRecipe:
 RECIPES: dict[str, PrecisionRecipe] = {
     "bf16": PrecisionRecipe("bf16", "native", 0, "native", (0, 0), "none", 8),
     # DeepSeek-V3 training recipe: 1x128 per-token activation blocks, 128x128 weight blocks;
-    # the dgrad GEMMs take e4m3 gradients in 1x128 blocks too, wgrad stays in bf16.
-    "fp8": PrecisionRecipe("fp8", "e4m3", 128, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3"),
+    # the dgrad GEMMs take e4m3 gradients in 1x128 blocks too, and the wgrad GEMMs both operands
+    # in 1x128 blocks along the tokens (their reduction dim).
+    "fp8": PrecisionRecipe("fp8", "e4m3", 128, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3",
+                           wgrad_format="e4m3"),
     # MX recipe of the seeds: E4M3 activations and E2M1 weights, 1x32 power-of-two scales.
     "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
 }

@@ -5,7 +5,8 @@ GPU kernel that matches them bit for bit matches the recipe. Everything here is 
 (float32 math, no custom kernels) and works on CPU and CUDA tensors with any leading dims.
 
 Storage, per recipe (see precision.py); gradients quantized for the dgrad GEMMs
-(recipe.grad_format) use the activation rules:
+(recipe.grad_format) and both operands of the wgrad GEMMs (recipe.wgrad_format, blocks along the
+token dim, stored transposed) use the activation rules:
   * native: the tensor itself, no scales.
   * e4m3 + fp32 scales: scale = max(amax, 1e-4) / 448 per block, data float8_e4m3fn.
   * e4m3 / e2m1 + ue8m0 scales: scale = 2**ceil(log2(amax / max_value)), a power of two
@@ -240,6 +241,48 @@ def dequantize_grad(data: torch.Tensor, scales: torch.Tensor | None, recipe: Pre
 def fake_quantize_grad(g: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
     """The value a dgrad GEMM reads for the gradient g, as float32."""
     return dequantize_grad(*quantize_grad(g, recipe), recipe)
+
+
+# ----------------------------------------------------------------------------- wgrad operands
+
+
+def quantize_tokens_t(values: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize a pool matrix [P, C] for a wgrad GEMM reducing over its rows (recipe.wgrad_format):
+    per column, in 1 x recipe.act_block blocks along the rows (block j = rows j*128 .. j*128+127),
+    with the activation quantizer's rounding. Returns the transposed layout the GEMM reads, tokens
+    contiguous: (data [C, P], scales [C, P / act_block]). P must be a multiple of the block.
+    Native: (values^T, None)."""
+    if recipe.wgrad_format == "native":
+        return values.t(), None
+    if not values.is_floating_point() or values.dim() != 2:
+        raise ValueError(f"quantize_tokens_t: expected a floating tensor [P, C], got {values.dtype} "
+                         f"{list(values.shape)}")
+    if values.shape[0] % recipe.act_block:
+        raise ValueError(f"quantize_tokens_t: {values.shape[0]} rows are not a multiple of the {recipe.name!r} "
+                         f"wgrad token block {recipe.act_block}")
+    data, scales = _quantize_rows("quantize_tokens_t", values.t(), recipe.wgrad_format, recipe.act_block,
+                                  recipe.scale_format, f"{recipe.name!r} wgrad token")
+    return data.contiguous(), scales.contiguous()
+
+
+def dequantize_tokens_t(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
+    """Exact float32 value [C, P] of quantize_tokens_t's output (still transposed)."""
+    if recipe.wgrad_format == "native":
+        return data.float()
+    return _dequantize_rows("dequantize_tokens_t", data, scales, recipe.wgrad_format, recipe.act_block,
+                            recipe.scale_format, f"{recipe.name!r} wgrad token")
+
+
+def fake_quantize_tokens(values: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
+    """The value a wgrad GEMM reads for one expert's rows [n, C] (pool order, n any), as float32
+    [n, C]: blocks of act_block rows from the first row, the last one padded with zero rows."""
+    if recipe.wgrad_format == "native":
+        return values.float()
+    n = values.shape[0]
+    padded = -(-n // recipe.act_block) * recipe.act_block
+    full = torch.zeros(padded, values.shape[1], dtype=torch.float32, device=values.device)
+    full[:n] = values.float()
+    return dequantize_tokens_t(*quantize_tokens_t(full, recipe), recipe).t()[:n]
 
 
 # ----------------------------------------------------------------------------- weights

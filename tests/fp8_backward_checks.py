@@ -27,10 +27,15 @@ from megamoe_train.backends.triton_backend import PoolInputs, TritonExecutor
 from megamoe_train.expert_math import swiglu, swiglu_backward
 from megamoe_train.plan import build_plan
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import dequantize_grad, quantize_act, quantize_grad
+from megamoe_train.quant import dequantize_act, dequantize_grad, quantize_act, quantize_grad, quantize_tokens_t
 from megamoe_train.weights import deinterleave_gate_up, transform_weights
 
 FP8 = RECIPES["fp8"]
+# The wgrad format the triton executor runs. Its wgrads stay bf16 GEMMs until quantize_tokens_t and
+# the fp8 wgrad GEMM are wired into TritonExecutor.experts_backward; then this becomes
+# FP8.wgrad_format ("e4m3") and check_executor_backward_against_reference compares with the fp8
+# recipe itself (the executor's pool must then be 128-row aligned for the wgrad's token blocks).
+EXECUTOR_WGRAD_FORMAT = "native"
 POISON_E4M3 = 0x7F  # an e4m3 NaN
 
 
@@ -92,6 +97,50 @@ def check_quantize_rows(device):
     assert (out[live:].view(torch.uint8) == POISON_E4M3).all() and scales[live:].isnan().all(), "rows past num_rows written"
 
 
+def _wgrad_pool(seed):
+    """row_slot of a 128-aligned pool: experts of 130, 0, 200 and 50 rows (ends 256, 256, 512, 640),
+    one more 128-row block past num_rows = 640 (P = 768)."""
+    P, live = 768, 640
+    g = torch.Generator().manual_seed(seed)
+    row_slot = torch.full((P,), -1, dtype=torch.int32)
+    for start, count in ((0, 130), (256, 200), (512, 50)):
+        row_slot[start:start + count] = torch.randint(0, 4, (count,), generator=g, dtype=torch.int32)
+    return row_slot, live
+
+
+def check_quantize_tokens_t(device):
+    """The wgrad operands' quantization (triton_kernels.quantize_tokens_t): bit for bit
+    quant.quantize_tokens_t of the pool with its padding rows zeroed, from a bf16 source (dY, dH)
+    and from an e4m3 source with 1x128 scales along C (x, a); padding rows hold NaN (they must
+    read as zero); the output is poisoned and the block past num_rows must stay so; every column
+    tile size."""
+    row_slot, live = _wgrad_pool(seed=6)
+    P = row_slot.shape[0]
+    pad = row_slot < 0
+    for C, source in ((384, "bf16"), (256, "e4m3")):
+        values = spread_randn(C, P, seed=7).t().contiguous()  # magnitudes spread over (column, row block)
+        if source == "bf16":
+            src, src_scales = values.to(torch.bfloat16), None
+            want_values = src.float()
+            src = src.masked_fill(pad[:, None], float("nan"))
+        else:
+            src, src_scales = quantize_act(values, FP8)
+            want_values = dequantize_act(src, src_scales, FP8)
+            src = src.view(torch.uint8).masked_fill(pad[:, None], POISON_E4M3).view(torch.float8_e4m3fn)
+            src_scales = src_scales.masked_fill(pad[:, None], float("nan"))
+        want_q, want_s = quantize_tokens_t(want_values.masked_fill(pad[:, None], 0.0), FP8)
+        for block_c in (32, 64, 128):
+            out, out_s = poisoned_e4m3(C, P, device=device), nans(C, P // 128, device=device)
+            K_.quantize_tokens_t(src.to(device), None if src_scales is None else src_scales.to(device),
+                                 row_slot.to(device), live_rows(live, device), out, out_s, block_c=block_c)
+            out, out_s = out.cpu(), out_s.cpu()
+            what = f"quantize_tokens_t ({source} source, block_c {block_c})"
+            assert_same_bits(out[:, :live], want_q[:, :live], f"{what} data")
+            assert torch.equal(out_s[:, : live // 128], want_s[:, : live // 128]), f"{what} scales"
+            assert (out[:, live:].view(torch.uint8) == POISON_E4M3).all(), f"{what}: a block past num_rows was written"
+            assert out_s[:, live // 128:].isnan().all(), f"{what}: a scale past num_rows was written"
+
+
 def check_swiglu_backward_quantized(device, clamp):
     """dH in master order, in bf16 and as e4m3 + 1x128 scales (what the fp8 L1 dgrad reads)."""
     P, inter, chunk, live = 48, 256, 128, 40
@@ -137,8 +186,9 @@ def check_swiglu_forward_quantized(device):
 
 def check_executor_backward_against_reference(device):
     """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, wgrads through
-    torch._grouped_mm) against the reference executor on the same padded plan and inputs, and
-    against the oracle with unquantized dgrads (to show the check can tell them apart)."""
+    torch._grouped_mm) against the reference executor on the same padded plan and inputs (the
+    fp8 recipe with the executor's wgrad format, EXECUTOR_WGRAD_FORMAT), and against the oracle
+    with unquantized gradients (to show the check can tell them apart)."""
     cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=2, num_max_tokens_per_rank=40,
                         recipe="fp8", block_m=64, dtype=torch.bfloat16, activation_clamp=6.0)
     g = torch.Generator().manual_seed(5)
@@ -182,14 +232,18 @@ def check_executor_backward_against_reference(device):
 
     weights.compute_copies = no_compute_copies  # this object only (instance attribute)
     got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, pool_grad)]
-    want = [t.cpu() for t in ref.experts_backward(cfg, weights, plan, ref_state, pool_grad)]
-    # The oracle with unquantized dgrads: the fp8 recipe with grad_format "native", registered for this check only.
-    RECIPES["fp8_native_dgrad"] = dataclasses.replace(FP8, name="fp8_native_dgrad", grad_format="native")
-    try:
-        cfg_native = dataclasses.replace(cfg, recipe="fp8_native_dgrad")
-        unquantized = [t.cpu() for t in ref.experts_backward(cfg_native, weights, plan, ref_state, pool_grad)]
-    finally:
-        del RECIPES["fp8_native_dgrad"]
+
+    def oracle(**formats):
+        """The reference backward under the fp8 recipe with these gradient formats (registered for this call only)."""
+        RECIPES["fp8_check"] = dataclasses.replace(FP8, name="fp8_check", **formats)
+        try:
+            return [t.cpu() for t in ref.experts_backward(dataclasses.replace(cfg, recipe="fp8_check"), weights, plan,
+                                                          ref_state, pool_grad)]
+        finally:
+            del RECIPES["fp8_check"]
+
+    want = oracle(wgrad_format=EXECUTOR_WGRAD_FORMAT)
+    unquantized = oracle(grad_format="native", wgrad_format="native")
 
     def rel(a, b, rows):
         a, b = (a[present], b[present]) if rows else (a, b)
@@ -204,7 +258,7 @@ def check_executor_backward_against_reference(device):
         # 4e-2: pre-activations kept in bf16 move some e4m3 roundings by one step (test_gpu_triton.py)
         assert err < 4e-2, f"{name}: relative error {err:.4f} against the reference executor"
         if name != "grad_w2":  # everything downstream of a dgrad input
-            assert err < 0.6 * err_unquantized, f"{name}: not closer to the fp8-dgrad oracle than to unquantized dgrads"
+            assert err < 0.6 * err_unquantized, f"{name}: not closer to the fp8 oracle than to unquantized gradients"
     return errors
 
 
@@ -216,14 +270,18 @@ def run_all(device) -> dict:
     return check_executor_backward_against_reference(device)
 
 
-def main():
+def main(argv):
+    """No argument: run_all; `wgrad_quant`: check_quantize_tokens_t only."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     exact_downcasts()
-    errors = run_all("cpu")
-    for name, (err, err_unquantized) in errors.items():
-        print(f"{name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized dgrads")
+    if argv[1:] == ["wgrad_quant"]:
+        check_quantize_tokens_t("cpu")
+    else:
+        errors = run_all("cpu")
+        for name, (err, err_unquantized) in errors.items():
+            print(f"{name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized gradients")
     print("all interpreter checks passed")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

@@ -242,3 +242,14 @@ def test_fp8_backward_kernels():
 
     errors = poisoned(run_all, "cuda")
     print({name: f"{err:.2e} (unquantized dgrads: {other:.2e})" for name, (err, other) in errors.items()})
+
+
+def test_wgrad_quantize_tokens_t_kernel():
+    """The fp8 wgrad's operand quantization (triton_kernels.quantize_tokens_t) on CUDA: bit for bit
+    quant.quantize_tokens_t from bf16 and e4m3 sources, NaN padding rows read as zero, NaN-poisoned
+    output written for every 128-row block below num_rows and for none past it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fp8_backward_checks import check_quantize_tokens_t
+
+    poisoned(check_quantize_tokens_t, "cuda")

@@ -14,10 +14,14 @@ Numerics (what every fast path must reproduce):
   float32 on the dequantized forward operands; dY travels in config.dtype. With a quantized
   dgrad (recipe.grad_format, fp8) the two dgrad GEMMs read the output gradients as the recipe
   stores them (quant.fake_quantize_grad): dY rows [P, H] for grad_act = dY_q @ W2, and dH rows
-  [P, 2I] in master order [gate | up] for dX = dH_q @ W1 (fc1 in master order); the weight
-  gradients read the unquantized dY and dH. d(topk weight) and the SwiGLU backward use
-  grad_act as computed. dX is summed per owner and at home exactly like the forward combine;
-  d(topk weight) is float32 per slot;
+  [P, 2I] in master order [gate | up] for dX = dH_q @ W1 (fc1 in master order). The weight
+  gradients dW2 = dY^T a and dW1 = dH^T x read the unquantized dY and dH (fp32) and the stored
+  activations; with a quantized wgrad (recipe.wgrad_format, fp8) both operands of each go
+  through quant.fake_quantize_tokens over the expert's rows in pool order (1x128 blocks along
+  the rows from the expert's first row, the last block padded with zero rows: the blocks of
+  the GPU executor's 128-aligned pool), dH rounded to config.dtype first (what the executor
+  keeps). d(topk weight) and the SwiGLU backward use grad_act as computed. dX is summed per
+  owner and at home exactly like the forward combine; d(topk weight) is float32 per slot;
 - shared experts run densely in float32 on the home rank, in every recipe.
 """
 
@@ -29,7 +33,7 @@ import torch
 
 from ..expert_math import store_act, swiglu, swiglu_backward
 from ..plan import Plan
-from ..quant import dequantize_act, fake_quantize_grad
+from ..quant import dequantize_act, fake_quantize_grad, fake_quantize_tokens
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights, deinterleave_gate_up
 
@@ -49,6 +53,14 @@ class ExpertState:
 
 def _scale_rows(scales: torch.Tensor | None, rows):
     return None if scales is None else scales[rows]
+
+
+def _wgrad(grad_out: torch.Tensor, inputs: torch.Tensor, recipe) -> torch.Tensor:
+    """grad_out^T @ inputs over one expert's rows in pool order, both operands as the recipe's
+    wgrad reads them."""
+    if recipe.quantized_wgrad:
+        grad_out, inputs = fake_quantize_tokens(grad_out, recipe), fake_quantize_tokens(inputs, recipe)
+    return grad_out.t() @ inputs
 
 
 def _expert_rows(plan: Plan):
@@ -178,11 +190,13 @@ class ReferenceExecutor:
             s = swiglu(h, weights.chunk, cfg.activation_clamp)
             a = dequantize_act(*store_act(s * w, recipe, cfg.dtype), recipe)  # the L2 input forward used
             grad_a = fake_quantize_grad(dy, recipe) @ w2[e]  # L2 dgrad
-            grad_w2[e] = dy.t() @ a  # L2 wgrad
+            grad_w2[e] = _wgrad(dy, a, recipe)  # L2 wgrad
             dw_rows[rows] = (grad_a * s).sum(1)
             grad_h = swiglu_backward(h, weights.chunk, cfg.activation_clamp, grad_a * w)
             grad_h = deinterleave_gate_up(grad_h, weights.chunk, dim=1)
             x_in = dequantize_act(pool.x[rows], _scale_rows(pool.x_scales, rows), recipe)
             dx_rows[rows] = (fake_quantize_grad(grad_h, recipe) @ w1[e]).to(cfg.dtype)  # L1 dgrad
-            grad_w1[e] = grad_h.t() @ x_in  # L1 wgrad
+            # L1 wgrad; a quantized wgrad reads dH as the executor keeps it, in config.dtype
+            grad_h_w = grad_h.to(cfg.dtype) if recipe.quantized_wgrad else grad_h
+            grad_w1[e] = _wgrad(grad_h_w, x_in, recipe)
         return dx_rows, dw_rows, grad_w1, grad_w2

@@ -186,6 +186,54 @@ def quantize_rows(data, out, scales, num_rows):
     )
 
 
+@triton.jit
+def _quantize_tokens_t_kernel(
+    src, src_stride, src_scales, src_scales_stride, row_slot, num_rows_ptr,
+    out, out_stride, out_scales, out_scales_stride,
+    SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One (BLOCK_T = 128-row block, BLOCK_C-column tile): src rows (dequantized with their 1x128
+    scales along C if SCALED; padding rows, row_slot < 0, read as zero) -> e4m3 out[c, rows] and
+    one fp32 scale per column of the block. Loads run along C and stores along P, both
+    contiguous; tl.trans turns the tile between them so _e4m3_blocks sees one block per row."""
+    num_rows = tl.load(num_rows_ptr)
+    t0 = tl.program_id(0) * BLOCK_T
+    if t0 >= num_rows:
+        return
+    rows = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    real = (tl.load(row_slot + rows) >= 0)[:, None]
+    v = tl.load(src + rows[:, None] * src_stride + cols[None, :], mask=real, other=0.0).to(tl.float32)
+    if SCALED:
+        s = tl.load(src_scales + rows[:, None] * src_scales_stride + (cols // 128)[None, :], mask=real, other=0.0)
+        v = v * s
+    q, scale = _e4m3_blocks(tl.trans(v))  # [BLOCK_C, BLOCK_T]: one block per column
+    tl.store(out + cols[:, None].to(tl.int64) * out_stride + rows[None, :], q)
+    tl.store(out_scales + cols.to(tl.int64) * out_scales_stride + tl.program_id(0), scale)
+
+
+def quantize_tokens_t(src, src_scales, row_slot, num_rows, out, out_scales, block_c: int = 64, num_warps: int = 4):
+    """A pool matrix src [P, C] as the fp8 wgrad reads it (quant.quantize_tokens_t, bit for bit):
+    e4m3 out [C, P] and fp32 out_scales [C, P/128], per column in 128-row blocks. src is bf16
+    (dY, dH) or e4m3 with src_scales [P, C/128] (x, a: dequantized in fp32 first). Rows with
+    row_slot < 0 (padding) read as zero; 128-row blocks at or past num_rows (int32 device [1])
+    are not written (the GEMM never reads them). block_c: the column tile (a power of two
+    dividing C)."""
+    rows, width = src.shape
+    assert rows % 128 == 0 and width % block_c == 0, (rows, width, block_c)
+    assert out.shape == (width, rows) and out_scales.shape == (width, rows // 128) and row_slot.shape == (rows,)
+    assert src.stride(1) == 1 and out.stride(1) == 1 and out_scales.stride(1) == 1
+    scaled = src_scales is not None
+    if scaled:
+        assert src_scales.shape == (rows, width // 128) and src_scales.stride(1) == 1
+    grid = (rows // 128, width // block_c)
+    _quantize_tokens_t_kernel[grid](
+        src, src.stride(0), src_scales if scaled else src, src_scales.stride(0) if scaled else 0, row_slot, num_rows,
+        out, out.stride(0), out_scales, out_scales.stride(0),
+        SCALED=scaled, BLOCK_T=128, BLOCK_C=block_c, num_warps=num_warps,
+    )
+
+
 # ----------------------------------------------------------------------------- SwiGLU
 
 
