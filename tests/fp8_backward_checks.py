@@ -31,11 +31,9 @@ from megamoe_train.quant import dequantize_act, dequantize_grad, quantize_act, q
 from megamoe_train.weights import deinterleave_gate_up, transform_weights
 
 FP8 = RECIPES["fp8"]
-# The wgrad format the triton executor runs. Its wgrads stay bf16 GEMMs until quantize_tokens_t and
-# the fp8 wgrad GEMM are wired into TritonExecutor.experts_backward; then this becomes
-# FP8.wgrad_format ("e4m3") and check_executor_backward_against_reference compares with the fp8
-# recipe itself (the executor's pool must then be 128-row aligned for the wgrad's token blocks).
-EXECUTOR_WGRAD_FORMAT = "native"
+# The wgrad format the triton executor runs: the recipe's own (e4m3: both wgrad operands quantized
+# in 128-row blocks of the pool, so the executor pads each expert to 128 rows; row_align).
+EXECUTOR_WGRAD_FORMAT = FP8.wgrad_format
 POISON_E4M3 = 0x7F  # an e4m3 NaN
 
 
@@ -185,8 +183,8 @@ def check_swiglu_forward_quantized(device):
 
 
 def check_executor_backward_against_reference(device):
-    """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, wgrads through
-    torch._grouped_mm) against the reference executor on the same padded plan and inputs (the
+    """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, fp8 wgrads through the
+    CUTLASS K-grouped GEMM, or off CUDA through torch._grouped_mm on the same quantized operands) against the reference executor on the same padded plan and inputs (the
     fp8 recipe with the executor's wgrad format, EXECUTOR_WGRAD_FORMAT), and against the oracle
     with unquantized gradients (to show the check can tell them apart)."""
     cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=2, num_max_tokens_per_rank=40,
@@ -197,7 +195,7 @@ def check_executor_backward_against_reference(device):
     ids[5, 1] = -1
     ids_full = torch.full((1, cfg.num_max_tokens_per_rank, K), -1, dtype=torch.int64)
     ids_full[0, :T] = ids
-    plan = build_plan(ids_full, 0, E, cfg.block_m)
+    plan = build_plan(ids_full, 0, E, TritonExecutor().row_align(cfg))
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     topk_w = torch.rand(T, K, generator=g) + 0.1
     gy = torch.randn(T, H, generator=g).to(torch.bfloat16)

@@ -7,8 +7,10 @@
   (cutlass_gemm.py; our Triton kernel where the CUDA extension was not built); backward: with
   the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized after the pull, dH by the SwiGLU
   backward, both e4m3 with 1x128 scales, against the transposed quantized weights
-  ExpertWeights.w2_t / w1_t), wgrad in bf16 (fp32 accumulation) on the dequantized stored
-  activations and the unquantized gradients; with bf16 every backward GEMM is bf16;
+  ExpertWeights.w2_t / w1_t), and the two wgrads fp8 as well (dY, dH and the stored activations
+  each quantized along the pool rows in 128-row blocks by quantize_tokens_t, transposed, into
+  the CUTLASS K-grouped GEMM; each expert is padded to 128 pool rows so no block spans two);
+  with bf16 every backward GEMM is bf16;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
@@ -36,6 +38,7 @@ from . import cutlass_gemm
 from . import triton_kernels as K_
 
 BF16_GROUP_ALIGN = 16
+WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
 _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
 SUPPORTED_RECIPES = ("bf16", "fp8")
 
@@ -80,6 +83,29 @@ def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
     return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
 
 
+def _tokens_t(src, src_scales, plan: Plan):
+    """A pool matrix [P, C] as the quantized wgrad reads it: e4m3 [C, P] + fp32 [C, P/128]."""
+    P, C = src.shape
+    data = torch.empty(C, P, dtype=torch.float8_e4m3fn, device=src.device)
+    scales = torch.empty(C, P // WGRAD_BLOCK, dtype=torch.float32, device=src.device)
+    K_.quantize_tokens_t(src, src_scales, plan.row_slot, plan.num_rows, data, scales)
+    return data, scales
+
+
+def _fp8_wgrad(grad, grad_scales, act, act_scales, plan: Plan):
+    """grad_w[e] = Qt(grad)_e^T Qt(act)_e over expert e's pool rows (docs/precision.md): bf16
+    [E, C_grad, C_act]. CUTLASS where built; otherwise the same quantized operands, dequantized
+    (to bf16: e4m3 times a power-of-two-free scale rounds once more) through torch's grouped GEMM."""
+    a_t, a_s = _tokens_t(grad, grad_scales, plan)
+    b_t, b_s = _tokens_t(act, act_scales, plan)
+    E = plan.expert_ends.shape[0]
+    if cutlass_gemm.available(grad.device):
+        out = torch.empty(E, a_t.shape[0], b_t.shape[0], dtype=torch.bfloat16, device=grad.device)
+        return cutlass_gemm.fp8_wgrad_grouped_gemm(a_t, a_s, b_t, b_s, plan.expert_ends, out)
+    deq = lambda t, s: (t.float().unflatten(1, (-1, WGRAD_BLOCK)) * s[..., None]).flatten(1).to(torch.bfloat16)  # noqa: E731
+    return _grouped_mm(deq(a_t, a_s), deq(b_t, b_s).t(), plan.expert_ends)
+
+
 def _as_compute(data, scales, num_rows, dtype):
     """Stored activations as `dtype` values for the backward GEMMs (fp8: dequantized)."""
     if scales is None:
@@ -95,8 +121,11 @@ class TritonExecutor:
     checks_ids_on_device = True
 
     def row_align(self, cfg) -> int:
-        # fp8 GEMM tiles are block_m rows of one expert; torch's bf16 grouped GEMM takes any group
-        # ends, so bf16 pads experts only to 16 rows (aligned offsets, ~no wasted rows).
+        # fp8 GEMM tiles are block_m rows of one expert (and the quantized wgrads' scale blocks 128
+        # pool rows of one expert); torch's bf16 grouped GEMM takes any group ends, so bf16 pads
+        # experts only to 16 rows (aligned offsets, ~no wasted rows).
+        if cfg.precision.quantized_wgrad:
+            return max(cfg.block_m, WGRAD_BLOCK)
         return cfg.block_m if cfg.precision.quantized else BF16_GROUP_ALIGN
 
     def shared_dtype(self, cfg) -> torch.dtype:
@@ -138,13 +167,13 @@ class TritonExecutor:
         act_scales = torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, cfg.block_m)
+            _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, self.row_align(cfg))
         else:
             h = _grouped_mm(pool.x, weights.w1.transpose(1, 2), plan.expert_ends)
         K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp)
         if recipe.quantized:
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, cfg.block_m)
+            _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, self.row_align(cfg))
         else:
             out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
@@ -160,21 +189,25 @@ class TritonExecutor:
             grad_q_scales = torch.empty(P, H // 128, dtype=torch.float32, device=dev)
             K_.quantize_rows(pool_grad, grad_q, grad_q_scales, plan.num_rows)
             grad_act = torch.empty(P, I, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, cfg.block_m)
+            _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, self.row_align(cfg))
             grad_h_q = torch.empty(P, 2 * I, dtype=e4m3, device=dev)
             grad_h_scales = torch.empty(P, 2 * I // 128, dtype=torch.float32, device=dev)
             K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
                                weights.chunk, cfg.activation_clamp, grad_h_q, grad_h_scales)
             grad_x_rows = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, cfg.block_m)
+            _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, self.row_align(cfg))
         else:
             w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
             grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
             K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
                                weights.chunk, cfg.activation_clamp)
             grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
-        act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
-        grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
-        x_in = _as_compute(state.pool_x, state.pool_x_scales, plan.num_rows, cfg.dtype)
-        grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends)
+        if recipe.quantized_wgrad:
+            grad_w2 = _fp8_wgrad(pool_grad, None, state.act, state.act_scales, plan)
+            grad_w1 = _fp8_wgrad(grad_h, None, state.pool_x, state.pool_x_scales, plan)
+        else:
+            act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
+            grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
+            x_in = _as_compute(state.pool_x, state.pool_x_scales, plan.num_rows, cfg.dtype)
+            grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends)
         return grad_x_rows, grad_row_w, grad_w1, grad_w2
