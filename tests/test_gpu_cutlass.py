@@ -194,6 +194,17 @@ def guarded_out(groups, m, n, dev):
     return full, full[1:-1]
 
 
+def assert_expert_close(got, ref, g):
+    """One expert's [M, N] gradient: overall, and every row and column on its own (rows and
+    columns differ in magnitude by 100x and more, so a wrong per-row A scale or per-column B scale
+    could hide in the overall norm). bf16 output rounding (2^-9 relative) dominates the error."""
+    assert not torch.isnan(got).any(), f"expert {g} left unwritten or read the NaN tail"
+    diff = got.double() - ref
+    assert float(diff.norm() / ref.norm()) < 4e-3, f"expert {g}"
+    assert float((diff.norm(dim=1) / ref.norm(dim=1)).max()) < 1e-2, f"expert {g}: a row is off"
+    assert float((diff.norm(dim=0) / ref.norm(dim=0)).max()) < 1e-2, f"expert {g}: a column is off"
+
+
 def check_wgrad(out, full, ref, ends):
     sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     assert (full[0] == 7.0).all() and (full[-1] == 7.0).all(), "wrote outside out"
@@ -201,10 +212,7 @@ def check_wgrad(out, full, ref, ends):
         if size == 0:
             assert (out[g] == 0).all(), f"empty expert {g} must get exact zeros"
         else:
-            assert not torch.isnan(out[g]).any(), f"expert {g} left unwritten or read the NaN tail"
-    live = [g for g, size in enumerate(sizes) if size]
-    # bf16 output rounding (2^-9 relative) dominates; accumulation order differs from torch's
-    assert rel_err(out[live], ref[live].float()) < 4e-3
+            assert_expert_close(out[g], ref[g], g)
 
 
 @needs_cutlass
@@ -215,6 +223,7 @@ def check_wgrad(out, full, ref, ends):
         ([384, 0, 128, 512, 256, 0, 1024, 128], 256, 384),  # skewed, empty, exactly 128 rows; 3 N tiles (odd, 1x2 cluster)
         ([0, 256, 128, 0, 640, 384, 128, 256, 0, 512, 128, 256], 512, 256),  # W1-like (M = 2I > N), first expert empty
         ([4096, 2048], 512, 1024),  # S3-like depth: 32 and 16 K steps
+        ([(g % 3) * 128 for g in range(130)], 128, 128),  # more experts than one fill block's threads
     ],
 )
 def test_wgrad_matches_dequantized_product(sizes, m, n, variant):
@@ -249,8 +258,7 @@ def test_wgrad_bad_group_ends_are_not_computed():
     full, out = guarded_out(4, 256, 256, aq.device)
     cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, bad, out)
     torch.cuda.synchronize()
-    ref = wgrad_reference(aq, a_s, bq, b_s, bad[:1])
-    assert rel_err(out[:1], ref.float()) < 4e-3
+    assert_expert_close(out[0], wgrad_reference(aq, a_s, bq, b_s, bad[:1])[0], 0)
     assert torch.isnan(out[1:]).all()
     assert (full[0] == 7.0).all() and (full[-1] == 7.0).all()
 
@@ -259,7 +267,7 @@ def test_wgrad_bad_group_ends_are_not_computed():
 def test_wgrad_cuda_graph_replay_follows_new_group_ends():
     m, n = 256, 256
     aq, a_s, bq, b_s, ends = make_wgrad_case([256, 0, 256, 256], m, n, seed=5)
-    out = torch.zeros(4, m, n, dtype=torch.bfloat16, device=aq.device)
+    full, out = guarded_out(4, m, n, aq.device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -273,10 +281,7 @@ def test_wgrad_cuda_graph_replay_follows_new_group_ends():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = wgrad_reference(aq, a_s, bq, b_s, ends)
-    assert (out[2] == 0).all()
-    live = [0, 1, 3]
-    assert rel_err(out[live], ref[live].float()) < 4e-3
+    check_wgrad(out, full, wgrad_reference(aq, a_s, bq, b_s, ends), ends)
 
 
 @needs_cutlass
