@@ -2,12 +2,18 @@
 variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
 with the measured peaks.
 
-  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4] [--ep 2]
+  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad]
 
-Per layer shape (bench_layer.SHAPES) the rank's pool under uniform routing: T*topk rows over
-E/ep experts, each padded to 128 rows. GEMMs: forward L1 (N=2I, K=H) and L2 (N=H, K=I), and
-the backward dgrads L2 (N=I, K=H) and L1 (N=H, K=2I). TFLOP/s count 2*M*N*K useful FLOPs.
-Peaks: torch.mm bf16 and torch._scaled_mm fp8 (row-wise scales) at 8192^3, same run.
+Per layer shape (bench_layer.SHAPES, plus "proxy", the DeepSeek-V3 training proxy) the rank's
+pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 rows.
+- fwd (forward and dgrad, row-grouped): forward L1 (N=2I, K=H) and L2 (N=H, K=I), and the
+  backward dgrads L2 (N=I, K=H) and L1 (N=H, K=2I). TFLOP/s count 2*M*N*K useful FLOPs.
+- wgrad (K-grouped, out [G, M, N]): W2 grad (M=H, N=I) and W1 grad (M=2I, N=H), K = each expert's
+  pool rows; our fp8 kernel (cutlass_gemm.fp8_wgrad_grouped_gemm, every variant and swizzle) vs
+  torch._grouped_mm bf16 2-D x 2-D with offs (what the executor runs now). TFLOP/s count
+  2*M*N*rows; next to the FLOPs floor the output floor: G*M*N*2 bytes at the measured write rate.
+Peaks: torch.mm bf16 and torch._scaled_mm fp8 (row-wise scales) at 8192^3, and the HBM write rate
+(zero_ of 4 GiB), same run.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer import SHAPES  # noqa: E402  (experts, topk, hidden, intermediate, tokens per GPU)
+from bench_layer import SHAPES as LAYER_SHAPES  # noqa: E402  (experts, topk, hidden, intermediate, tokens per GPU)
 from timing import median_ms  # noqa: E402
 
 from megamoe_train.backends import cutlass_gemm  # noqa: E402
@@ -29,13 +35,15 @@ from megamoe_train.quant import dequantize_act, dequantize_weight, quantize_act,
 
 FP8 = get_recipe("fp8")
 SWIZZLES = (1, 4)
+SHAPES = {**LAYER_SHAPES, "proxy": (256, 8, 2048, 512, 8192)}  # the DeepSeek-V3 training proxy (bench_train)
 
 
 def bench(fn, iters=30, warmup=5) -> float:
     return median_ms(fn, iters, warmup)
 
 
-def peaks(dev) -> tuple[float, float]:
+def peaks(dev) -> tuple[float, float, float]:
+    """bf16 and fp8 dense TFLOP/s, HBM write GB/s."""
     n = 8192
     flops = 2.0 * n**3
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -44,7 +52,10 @@ def peaks(dev) -> tuple[float, float]:
     aq, bq = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
     sa, sb = torch.rand(n, 1, device=dev) + 0.5, torch.rand(1, n, device=dev) + 0.5
     fp8 = flops / bench(lambda: torch._scaled_mm(aq, bq, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)) / 1e9
-    return bf16, fp8
+    buf = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
+    write = buf.numel() / bench(lambda: buf.zero_()) / 1e6
+    del buf
+    return bf16, fp8, write
 
 
 def case(name, groups, rows_per_group, n, k, dgrad, dev):
@@ -97,39 +108,99 @@ def case(name, groups, rows_per_group, n, k, dgrad, dev):
     return m, times, errors
 
 
+def wgrad_case(groups, rows_per_group, m, n, dev):
+    """One K-grouped wgrad GEMM, out[g] = A_t[:, rows of g] @ B_t[:, rows of g]^T, for our fp8
+    kernel's every configuration and torch's bf16 grouped GEMM; returns ({label: ms}, errors)."""
+    p = groups * rows_per_group
+    ends = (torch.arange(1, groups + 1, device=dev) * rows_per_group).to(torch.int32)
+    # the pool's rows as the executor holds them ([P, M]: e.g. dY rows, [P, N]: activations)
+    a = torch.randn(p, m, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(p, n, device=dev, dtype=torch.bfloat16)
+    times, errors = {}, {}
+    # reference for the first and last expert: the float product of the dequantized operands
+    a_tq, a_ts = quantize_act(a.t().contiguous(), FP8)
+    b_tq, b_ts = quantize_act(b.t().contiguous(), FP8)
+    first, last = slice(0, rows_per_group), slice(p - rows_per_group, p)
+    ad, bd = dequantize_act(a_tq, a_ts, FP8), dequantize_act(b_tq, b_ts, FP8)
+    ref = torch.stack([ad[:, first] @ bd[:, first].t(), ad[:, last] @ bd[:, last].t()])
+    ref_bf16 = torch.stack([a[first].float().t() @ b[first].float(), a[last].float().t() @ b[last].float()])
+    del ad, bd
+
+    def err(out, reference):
+        got = torch.stack([out[0], out[-1]]).float()
+        return float((got - reference).norm() / reference.norm())
+
+    if cutlass_gemm.available(dev):
+        out = torch.empty(groups, m, n, device=dev, dtype=torch.bfloat16)
+        for variant in range(cutlass_gemm._cuda.FP8_WGRAD_VARIANTS):
+            for swizzle in SWIZZLES:
+                label = f"cutlass_fp8 v{variant} s{swizzle}"
+                times[label] = bench(lambda: cutlass_gemm.fp8_wgrad_grouped_gemm(a_tq, a_ts, b_tq, b_ts, ends, out, variant, swizzle))
+                errors[label] = err(out, ref)
+        del out
+    got = torch._grouped_mm(a.t(), b, offs=ends)
+    errors["torch_bf16"] = err(got, ref_bf16)
+    del got
+    times["torch_bf16"] = bench(lambda: torch._grouped_mm(a.t(), b, offs=ends))
+    return times, errors
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="S1,S2,S3,S4")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks the shape is split over")
+    p.add_argument("--gemms", default="fwd,wgrad", help="fwd (forward and dgrad GEMMs), wgrad (weight gradients)")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
-    bf16_peak, fp8_peak = peaks(dev)
+    bf16_peak, fp8_peak, write_gbs = peaks(dev)
+    gemms = set(args.gemms.split(","))
     print(f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
-          f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s; CUTLASS extension: {cutlass_gemm.available(dev)}")
-    print("| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | torch fp8 row-wise | fp8 floor ms |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s, HBM write (zero_ 4 GiB) {write_gbs:.0f} GB/s; "
+          f"CUTLASS extension: {cutlass_gemm.available(dev)}")
     details = []
-    for shape in args.shapes.split(","):
-        E, topk, H, I, T = SHAPES[shape]
-        groups = E // args.ep
-        rows = max(128, -(-T * topk // groups // 128) * 128)
-        for name, n, k, dgrad in (("L1 fwd", 2 * I, H, False), ("L2 fwd", H, I, False), ("L2 dgrad", I, H, True),
-                                  ("L1 dgrad", H, 2 * I, True)):
-            m, times, errors = case(name, groups, rows, n, k, dgrad, dev)
-            tf = lambda ms: 2.0 * m * n * k / ms / 1e9  # noqa: E731
 
-            def best(prefix):
-                got = {key: v for key, v in times.items() if key.startswith(prefix)}
-                if not got:
-                    return "-"
-                key = min(got, key=got.get)
-                return f"{got[key]:.3f} ({tf(got[key]):.0f}) {key[len(prefix):].strip()}"
+    def best(times, prefix, tf):
+        got = {key: v for key, v in times.items() if key.startswith(prefix)}
+        if not got:
+            return "-"
+        key = min(got, key=got.get)
+        return f"{got[key]:.3f} ({tf(got[key]):.0f}) {key[len(prefix):].strip()}"
 
-            floor = 2.0 * m * n * k / fp8_peak / 1e9
-            print(f"| {shape} | {name} | {m} x {n} x {k} | {best('cutlass_fp8')} | {best('triton_fp8')} | "
-                  f"{best('cutlass_bf16')} | {best('torch_bf16')} | {best('torch_fp8_rowwise')} | {floor:.3f} |", flush=True)
-            details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
-            torch.cuda.empty_cache()
+    if "fwd" in gemms:
+        print("| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | torch fp8 row-wise | fp8 floor ms |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for shape in args.shapes.split(","):
+            E, topk, H, I, T = SHAPES[shape]
+            groups = E // args.ep
+            rows = max(128, -(-T * topk // groups // 128) * 128)
+            for name, n, k, dgrad in (("L1 fwd", 2 * I, H, False), ("L2 fwd", H, I, False), ("L2 dgrad", I, H, True),
+                                      ("L1 dgrad", H, 2 * I, True)):
+                m, times, errors = case(name, groups, rows, n, k, dgrad, dev)
+                tf = lambda ms: 2.0 * m * n * k / ms / 1e9  # noqa: E731
+                floor = 2.0 * m * n * k / fp8_peak / 1e9
+                print(f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | {best(times, 'triton_fp8', tf)} | "
+                      f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {best(times, 'torch_fp8_rowwise', tf)} | {floor:.3f} |", flush=True)
+                details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+                torch.cuda.empty_cache()
+    if "wgrad" in gemms:
+        print("\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | torch bf16 ms (TF/s) | speedup | "
+              "fp8 FLOPs floor ms | output floor ms |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for shape in args.shapes.split(","):
+            E, topk, H, I, T = SHAPES[shape]
+            groups = E // args.ep
+            rows = max(128, -(-T * topk // groups // 128) * 128)
+            for name, m, n in (("W2 grad", H, I), ("W1 grad", 2 * I, H)):
+                times, errors = wgrad_case(groups, rows, m, n, dev)
+                flops = 2.0 * groups * rows * m * n
+                tf = lambda ms: flops / ms / 1e9  # noqa: E731
+                ours = min((v for key, v in times.items() if key.startswith("cutlass_fp8")), default=None)
+                speedup = f"{times['torch_bf16'] / ours:.2f}x" if ours else "-"
+                out_floor = groups * m * n * 2 / write_gbs / 1e6
+                print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
+                      f"{best(times, 'torch_bf16', tf)} | {speedup} | {flops / fp8_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
+                details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+                torch.cuda.empty_cache()
     print("\n# every configuration (ms, relative error against the float product of the same operands)")
     print("\n".join(details))
 

@@ -1,6 +1,7 @@
-"""The CUTLASS FP8 grouped GEMM (megamoe_train._cuda, marked `gpu`): against the dequantized
-float product on fresh random operands with empty and uneven expert groups, rows past the last
-group left untouched (poisoned with NaN), bitwise repeat, CUDA-graph capture, and its input checks.
+"""The CUTLASS grouped GEMMs (megamoe_train._cuda, marked `gpu`): the FP8 forward/dgrad GEMM and
+the FP8 K-grouped wgrad GEMM against the dequantized float product on fresh random operands with
+empty and uneven expert groups, memory outside the output untouched (poisoned with NaN), bitwise
+repeat, CUDA-graph capture, and their input checks; the bf16 GEMM against the float product.
 Skipped without an sm_90 GPU or without the built extension."""
 
 import pytest
@@ -146,3 +147,157 @@ def test_bf16_matches_float_product(b_layout, variant):
     again = torch.full_like(out, float("nan"))
     cutlass_gemm.bf16_grouped_gemm(a, b, ends, again, b_layout, variant=variant)
     assert torch.equal(out[:live], again[:live])
+
+
+# ---- the K-grouped fp8 wgrad GEMM (cutlass_gemm.fp8_wgrad_grouped_gemm) ----
+
+WGRAD_VARIANTS = range(getattr(cutlass_gemm._cuda, "FP8_WGRAD_VARIANTS", 1))
+E4M3_NAN = 0x7F
+
+
+def make_wgrad_case(sizes, m, n, tail=256, seed=0):
+    """Pool-transposed operands a_t [m, P] and b_t [n, P] over expert groups of `sizes` pool rows,
+    with P `tail` rows past the last end; the tail holds e4m3 NaN and NaN scales, so reading it
+    would show. Rows and pool rows of very different magnitude: both operands' per-row 1x128
+    scales matter."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = torch.device("cuda", 0)
+    ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    live = int(sum(sizes))
+    p = live + tail
+    a = torch.randn(m, p, device=dev, generator=gen) * torch.logspace(-2, 2, p, device=dev) * torch.logspace(1, -1, m, device=dev)[:, None]
+    b = torch.randn(n, p, device=dev, generator=gen) * torch.logspace(1, -2, p, device=dev)
+    b[: n // 3] *= 30.0
+    aq, a_s = quantize_act(a.to(torch.bfloat16), FP8)
+    bq, b_s = quantize_act(b.to(torch.bfloat16), FP8)
+    for data, scales in ((aq, a_s), (bq, b_s)):
+        data.view(torch.uint8)[:, live:] = E4M3_NAN
+        scales[:, live // 128 :] = float("nan")
+    return aq, a_s, bq, b_s, ends
+
+
+def wgrad_reference(aq, a_s, bq, b_s, ends):
+    a = dequantize_act(aq, a_s, FP8).double()
+    b = dequantize_act(bq, b_s, FP8).double()
+    out, start = [], 0
+    for end in ends.tolist():
+        out.append(a[:, start:end] @ b[:, start:end].t())
+        start = end
+    return torch.stack(out)
+
+
+def guarded_out(groups, m, n, dev):
+    """out [groups, m, n] poisoned with NaN, inside a buffer whose first and last slabs hold 7.0."""
+    full = torch.full((groups + 2, m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    full[0] = 7.0
+    full[-1] = 7.0
+    return full, full[1:-1]
+
+
+def assert_expert_close(got, ref, g):
+    """One expert's [M, N] gradient: overall, and every row and column on its own (rows and
+    columns differ in magnitude by 100x and more, so a wrong per-row A scale or per-column B scale
+    could hide in the overall norm). bf16 output rounding (2^-9 relative) dominates the error."""
+    assert not torch.isnan(got).any(), f"expert {g} left unwritten or read the NaN tail"
+    diff = got.double() - ref
+    assert float(diff.norm() / ref.norm()) < 4e-3, f"expert {g}"
+    assert float((diff.norm(dim=1) / ref.norm(dim=1)).max()) < 1e-2, f"expert {g}: a row is off"
+    assert float((diff.norm(dim=0) / ref.norm(dim=0)).max()) < 1e-2, f"expert {g}: a column is off"
+
+
+def check_wgrad(out, full, ref, ends):
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    assert (full[0] == 7.0).all() and (full[-1] == 7.0).all(), "wrote outside out"
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert (out[g] == 0).all(), f"empty expert {g} must get exact zeros"
+        else:
+            assert_expert_close(out[g], ref[g], g)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("variant", WGRAD_VARIANTS)
+@pytest.mark.parametrize(
+    "sizes,m,n",
+    [
+        ([384, 0, 128, 512, 256, 0, 1024, 128], 256, 384),  # skewed, empty, exactly 128 rows; 3 N tiles (odd, 1x2 cluster)
+        ([0, 256, 128, 0, 640, 384, 128, 256, 0, 512, 128, 256], 512, 256),  # W1-like (M = 2I > N), first expert empty
+        ([4096, 2048], 512, 1024),  # S3-like depth: 32 and 16 K steps
+        ([(g % 3) * 128 for g in range(130)], 128, 128),  # more experts than one fill block's threads
+    ],
+)
+def test_wgrad_matches_dequantized_product(sizes, m, n, variant):
+    aq, a_s, bq, b_s, ends = make_wgrad_case(sizes, m, n, seed=len(sizes) + variant)
+    full, out = guarded_out(len(sizes), m, n, aq.device)
+    cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant=variant)
+    torch.cuda.synchronize()
+    check_wgrad(out, full, wgrad_reference(aq, a_s, bq, b_s, ends), ends)
+    again = torch.full_like(out, float("nan"))
+    cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, again, variant=variant)
+    assert torch.equal(out, again), "not bitwise repeatable"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("variant", WGRAD_VARIANTS)
+def test_wgrad_all_experts_empty_gives_zeros(variant):
+    aq, a_s, bq, b_s, ends = make_wgrad_case([0, 0, 0], 256, 256, tail=384)
+    full, out = guarded_out(3, 256, 256, aq.device)
+    cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant=variant)
+    torch.cuda.synchronize()
+    assert (out == 0).all()
+    assert (full[0] == 7.0).all() and (full[-1] == 7.0).all()
+
+
+@needs_cutlass
+def test_wgrad_bad_group_ends_are_not_computed():
+    # ends the plan never makes (not 128-aligned, past P): those experts come back NaN, the
+    # others right, nothing outside out written, no fault
+    aq, a_s, bq, b_s, ends = make_wgrad_case([256, 128, 128, 256], 256, 256, tail=128)
+    p = aq.shape[1]
+    bad = torch.tensor([256, 300, 384, p + 128], dtype=torch.int32, device=aq.device)
+    full, out = guarded_out(4, 256, 256, aq.device)
+    cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, bad, out)
+    torch.cuda.synchronize()
+    assert_expert_close(out[0], wgrad_reference(aq, a_s, bq, b_s, bad[:1])[0], 0)
+    assert torch.isnan(out[1:]).all()
+    assert (full[0] == 7.0).all() and (full[-1] == 7.0).all()
+
+
+@needs_cutlass
+def test_wgrad_cuda_graph_replay_follows_new_group_ends():
+    m, n = 256, 256
+    aq, a_s, bq, b_s, ends = make_wgrad_case([256, 0, 256, 256], m, n, seed=5)
+    full, out = guarded_out(4, m, n, aq.device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out)
+    # new sizes, same tensors: expert 1 now has rows, expert 2 none, expert 3 more
+    ends.copy_(torch.tensor([128, 384, 384, 768], device=aq.device, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_wgrad(out, full, wgrad_reference(aq, a_s, bq, b_s, ends), ends)
+
+
+@needs_cutlass
+def test_wgrad_rejects_bad_operands():
+    aq, a_s, bq, b_s, ends = make_wgrad_case([128, 256], 256, 256)
+    out = torch.empty(2, 256, 256, dtype=torch.bfloat16, device=aq.device)
+    with pytest.raises(ValueError, match="a_t_scales"):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s.t().contiguous().t(), bq, b_s, ends, out)
+    with pytest.raises(ValueError, match="b_t must"):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq.to(torch.bfloat16), b_s, ends, out)
+    with pytest.raises(ValueError, match="out"):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out.float())
+    with pytest.raises(ValueError, match="group_ends"):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends.long(), out)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        shifted = torch.empty(out.numel() + 1, dtype=torch.bfloat16, device=aq.device)[1:].view_as(out)
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, shifted)
+    with pytest.raises(ValueError, match="variant"):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant=99)

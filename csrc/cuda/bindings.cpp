@@ -13,13 +13,13 @@ namespace py = pybind11;
 namespace {
 
 megamoe::GroupedGemmArgs make_args(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales, uintptr_t d,
-                                   uintptr_t group_ends, int num_groups, int n, int k, int b_layout, int variant,
+                                   uintptr_t group_ends, int num_groups, int m, int n, int k, int b_layout, int variant,
                                    int swizzle, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
                                    int device) {
   return {reinterpret_cast<const void*>(a), reinterpret_cast<const float*>(a_scales),
           reinterpret_cast<const void*>(b), reinterpret_cast<const float*>(b_scales),
           reinterpret_cast<void*>(d),       reinterpret_cast<const int32_t*>(group_ends),
-          num_groups, n, k, static_cast<megamoe::BLayout>(b_layout), variant, swizzle,
+          num_groups, m, n, k, static_cast<megamoe::BLayout>(b_layout), variant, swizzle,
           reinterpret_cast<void*>(workspace), workspace_bytes, reinterpret_cast<void*>(stream), device};
 }
 
@@ -30,7 +30,7 @@ void check(const char* name, const char* error) {
 void fp8_grouped_gemm(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales, uintptr_t d,
                       uintptr_t group_ends, int num_groups, int n, int k, int variant, int swizzle,
                       uintptr_t workspace, size_t workspace_bytes, uintptr_t stream, int device) {
-  check("fp8_grouped_gemm", megamoe::fp8_grouped_gemm(make_args(a, a_scales, b, b_scales, d, group_ends, num_groups, n, k,
+  check("fp8_grouped_gemm", megamoe::fp8_grouped_gemm(make_args(a, a_scales, b, b_scales, d, group_ends, num_groups, 0, n, k,
                                                                0, variant, swizzle, workspace, workspace_bytes,
                                                                stream, device)));
 }
@@ -38,9 +38,18 @@ void fp8_grouped_gemm(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_
 void bf16_grouped_gemm(uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_ends, int num_groups, int n, int k,
                        int b_layout, int variant, int swizzle, uintptr_t workspace, size_t workspace_bytes,
                        uintptr_t stream, int device) {
-  check("bf16_grouped_gemm", megamoe::bf16_grouped_gemm(make_args(a, 0, b, 0, d, group_ends, num_groups, n, k, b_layout,
+  check("bf16_grouped_gemm", megamoe::bf16_grouped_gemm(make_args(a, 0, b, 0, d, group_ends, num_groups, 0, n, k, b_layout,
                                                                  variant, swizzle, workspace, workspace_bytes,
                                                                  stream, device)));
+}
+
+// a_t [m, p], b_t [n, p] and their scales, d [num_groups, m, n]: grouped_gemm.h's depth-grouped GEMM.
+void fp8_wgrad_grouped_gemm(uintptr_t a_t, uintptr_t a_t_scales, uintptr_t b_t, uintptr_t b_t_scales, uintptr_t d,
+                            uintptr_t group_ends, int num_groups, int m, int n, int p, int variant, int swizzle,
+                            uintptr_t workspace, size_t workspace_bytes, uintptr_t stream, int device) {
+  check("fp8_wgrad_grouped_gemm",
+        megamoe::fp8_wgrad_grouped_gemm(make_args(a_t, a_t_scales, b_t, b_t_scales, d, group_ends, num_groups, m, n, p, 0,
+                                                  variant, swizzle, workspace, workspace_bytes, stream, device)));
 }
 
 size_t bf16_workspace_bytes(int num_groups, int variant, int b_layout, int device) {
@@ -53,8 +62,11 @@ PYBIND11_MODULE(_cuda, m) {
   m.doc() = "MegaMoE CUDA kernels (Hopper, sm_90a)";
   m.attr("FP8_VARIANTS") = megamoe::fp8_grouped_gemm_variants();
   m.attr("BF16_VARIANTS") = megamoe::bf16_grouped_gemm_variants();
+  m.attr("FP8_WGRAD_VARIANTS") = megamoe::fp8_wgrad_grouped_gemm_variants();
   m.def("fp8_grouped_gemm_workspace_bytes", &megamoe::fp8_grouped_gemm_workspace_bytes, py::arg("num_groups"),
         py::arg("variant"), py::arg("device"));
+  m.def("fp8_wgrad_grouped_gemm_workspace_bytes", &megamoe::fp8_wgrad_grouped_gemm_workspace_bytes,
+        py::arg("num_groups"), py::arg("variant"), py::arg("device"));
   m.def("bf16_grouped_gemm_workspace_bytes", &bf16_workspace_bytes, py::arg("num_groups"), py::arg("variant"),
         py::arg("b_layout"), py::arg("device"));
   m.def("fp8_grouped_gemm", &fp8_grouped_gemm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
@@ -63,4 +75,8 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("bf16_grouped_gemm", &bf16_grouped_gemm, py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_ends"),
         py::arg("num_groups"), py::arg("n"), py::arg("k"), py::arg("b_layout"), py::arg("variant"), py::arg("swizzle"),
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"), py::arg("device"));
+  m.def("fp8_wgrad_grouped_gemm", &fp8_wgrad_grouped_gemm, py::arg("a_t"), py::arg("a_t_scales"), py::arg("b_t"),
+        py::arg("b_t_scales"), py::arg("d"), py::arg("group_ends"), py::arg("num_groups"), py::arg("m"), py::arg("n"),
+        py::arg("p"), py::arg("variant"), py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"),
+        py::arg("stream"), py::arg("device"));
 }

@@ -1,9 +1,13 @@
 // Grouped GEMMs over the expert-major pool, on Hopper (sm_90a), built from CUTLASS collectives.
 //
-// The pool holds each local expert's rows contiguously: group g owns rows
-// [group_ends[g-1], group_ends[g]) (group_ends[-1] = 0) of A and D, and multiplies them by
-// B[g]. group_ends lives on the device and is read there, so a call never waits for the host
-// and can be captured in a CUDA graph. Rows past group_ends[G-1] are left untouched.
+// The pool holds each local expert's rows contiguously: group g owns pool rows
+// [group_ends[g-1], group_ends[g]) (group_ends[-1] = 0). Two ways to multiply by them:
+// - row-grouped (forward, dgrad): the rows are rows of A and D, D[rows] = A[rows] @ B[g]^T;
+//   rows past group_ends[G-1] are left untouched;
+// - depth-grouped (wgrad): the rows are the K of group g's product of two pool-transposed
+//   operands, D[g] = A_t[:, rows] @ B_t[:, rows]^T; pool rows past group_ends[G-1] are not read.
+// group_ends lives on the device and is read there, so a call never waits for the host and can
+// be captured in a CUDA graph.
 #pragma once
 
 #include <cstddef>
@@ -15,17 +19,19 @@ namespace megamoe {
 // N contiguous (the same weight read untransposed, as in the backward's dY @ W).
 enum class BLayout : int { kNK = 0, kKN = 1 };
 
-// All pointers are device addresses; stream is a cudaStream_t.
+// All pointers are device addresses; stream is a cudaStream_t. Shapes in brackets are
+// row-grouped / depth-grouped (P = pool rows).
 struct GroupedGemmArgs {
-  const void* a;              // [M_total, K] row-major (e4m3 or bf16)
-  const float* a_scales;      // fp8 only: fp32 [M_total, K/128], one per row per 128-deep K block
-  const void* b;              // [G, N, K] or [G, K, N] (see BLayout)
-  const float* b_scales;      // fp8 only: fp32 [G, N/128, K/128], one per 128x128 block
-  void* d;                    // bf16 [M_total, N] row-major
-  const int32_t* group_ends;  // int32 [G], cumulative row ends
+  const void* a;              // [M_total, K] / e4m3 [M, P], row-major (e4m3 or bf16)
+  const float* a_scales;      // fp8 only: fp32 [M_total, K/128] / [M, P/128], one per row per 128-deep K block
+  const void* b;              // [G, N, K] or [G, K, N] (see BLayout) / e4m3 [N, P]
+  const float* b_scales;      // fp8 only: fp32 [G, N/128, K/128], one per 128x128 block / [N, P/128] like A's
+  void* d;                    // bf16 [M_total, N] / [G, M, N], row-major
+  const int32_t* group_ends;  // int32 [G], cumulative pool-row ends
   int num_groups;
+  int m;                      // depth-grouped only: rows of each group's D
   int n;
-  int k;
+  int k;                      // K / P
   BLayout b_layout;
   int variant;                // tile/cluster configuration (see grouped_gemm_variants())
   int swizzle;                // tile scheduler swizzle (1, 2, 4, 8)
@@ -37,17 +43,25 @@ struct GroupedGemmArgs {
 
 // Scratch a call needs: per-group argument arrays plus CUTLASS's own workspace.
 size_t fp8_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
+size_t fp8_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
 size_t bf16_grouped_gemm_workspace_bytes(int num_groups, int variant, BLayout b_layout, int device);
 
 // fp8: D[rows of g] = (A[rows] * a_scales) @ (B[g] * b_scales)^T, 1x128 / 128x128 block scales
 // applied per 128-deep K step in fp32 (DeepSeek-V3's recipe); B is [N, K] (kNK) only.
 // bf16: D[rows of g] = A[rows] @ B[g]^T, fp32 accumulation.
-// Both return an empty string on success, else what went wrong.
+// fp8 wgrad (depth-grouped): D[g] = sum over pool rows k of group g of
+// (A_t[:, k] * a_scales[:, k/128]) (B_t[:, k] * b_scales[:, k/128])^T, 1x128 scales on both
+// operands applied per 128-deep K step in fp32. group_ends must be multiples of 128,
+// nondecreasing and <= P; an empty group's D[g] is zero, and a group breaking those rules is
+// not computed and its D[g] is NaN (the sizes live on the device: nothing is checked on the host).
+// All return an empty string on success, else what went wrong.
 const char* fp8_grouped_gemm(const GroupedGemmArgs& args);
 const char* bf16_grouped_gemm(const GroupedGemmArgs& args);
+const char* fp8_wgrad_grouped_gemm(const GroupedGemmArgs& args);
 
 // Number of compiled variants of each (index 0 is the default).
 int fp8_grouped_gemm_variants();
 int bf16_grouped_gemm_variants();
+int fp8_wgrad_grouped_gemm_variants();
 
 }  // namespace megamoe

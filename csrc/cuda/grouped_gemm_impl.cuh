@@ -4,7 +4,8 @@
 //
 // Group sizes are known only on the device (the routing plan is built there), so one small
 // kernel turns group_ends into CUTLASS's per-group argument arrays and the GEMM reads them:
-// no host sync, capturable in a CUDA graph.
+// no host sync, capturable in a CUDA graph. The groups split M (row-grouped: forward, dgrad) or
+// K (depth-grouped: the wgrad, grouped_gemm.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,12 +51,37 @@ struct DeviceGuard {
   }
 };
 
+// Which problem dimension the pool's groups split (grouped_gemm.h).
+enum class GroupedDim { kRows, kDepth };
+
+// CUTLASS 4.2's pointer-array blockwise main loop takes per-group scale layouts but, for a
+// grouped GEMM, rebuilds them on the device from the group's (M, N, K) as if the scales were
+// packed (row stride K/128). Depth-grouped scales are [rows, P/128] and a group's K is only its
+// share of P, so this main loop reads the layouts it is given instead: everything else is the
+// base collective's.
+template <class Base>
+struct StridedScalesMainloop : Base {
+  template <class InputTensors, class ProblemShapeMNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& inputs, typename Base::Params const& params,
+                                                     ProblemShapeMNKL problem_shape_mnkl, int32_t group) {
+    InputTensors out = Base::tensors_perform_update(inputs, params, problem_shape_mnkl, group);
+    get<2>(out) = make_tensor(make_gmem_ptr(params.ptr_SFA[group]), params.layout_SFA[group]);
+    get<3>(out) = make_tensor(make_gmem_ptr(params.ptr_SFB[group]), params.layout_SFB[group]);
+    return out;
+  }
+};
+
 // ElementAB: cutlass::float_e4m3_t (block-scaled) or cutlass::bfloat16_t.
 // LayoutB: ColumnMajor = B[g] stored [N, K] (K contiguous); RowMajor = stored [K, N].
-template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule>
+// Depth-grouped: e4m3 only, both operands K-major (what fp8 wgmma reads), 1x128 scales on both.
+template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule,
+          GroupedDim kGroupedDim = GroupedDim::kRows>
 struct GroupedGemm {
   using Element = ElementAB;
   static constexpr bool kBlockScaled = std::is_same_v<ElementAB, cutlass::float_e4m3_t>;
+  static constexpr bool kDepthGrouped = kGroupedDim == GroupedDim::kDepth;
+  static_assert(!kDepthGrouped || (kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::ColumnMajor>),
+                "depth-grouped GEMMs are fp8 with both operands K-major");
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
   using ElementD = cutlass::bfloat16_t;
@@ -65,8 +91,10 @@ struct GroupedGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
 
-  // Scales are K-major, as the protocol stores them: a_scales [M, K/128], b_scales [N/128, K/128].
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock, cute::GMMA::Major::K,
+  // Scales are K-major, as the protocol stores them: a_scales [M, K/128], b_scales [N/128, K/128]
+  // for a weight B (one per 128x128 block), [N, K/128] for a pool-transposed B (one per row).
+  static constexpr int kScaleBlockN = kDepthGrouped ? 1 : kScaleBlock;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlockN, kScaleBlock, cute::GMMA::Major::K,
                                                                 cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
@@ -80,13 +108,14 @@ struct GroupedGemm {
       ElementD, LayoutD*, 8, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementAB, StridePairA, kAlignAB,
       ElementAB, StridePairB, kAlignAB,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<kDepthGrouped, StridedScalesMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -176,25 +205,37 @@ struct GroupedGemm {
   static const char* run(const GroupedGemmArgs& p);
 };
 
-// One thread per group: its row range from group_ends, then every pointer, stride and layout
-// CUTLASS reads for it. 64-bit offsets throughout (pools past 2^31 elements).
+// The device functions below are also host functions so that tests/csrc/group_arrays_check.cu
+// can check the arrays on a machine without a GPU.
+
+// A depth-grouped group's pool rows [start, end) are usable as its K when they are whole scale
+// blocks inside the pool (p rows); both kernels below decide it with this one function.
+CUTE_HOST_DEVICE bool depth_range_valid(int64_t start, int64_t end, int64_t p) {
+  return start >= 0 && start <= end && end <= p && start % kScaleBlock == 0 && end % kScaleBlock == 0;
+}
+
+CUTE_HOST_DEVICE int64_t group_start(const int32_t* group_ends, int g) { return g == 0 ? 0 : group_ends[g - 1]; }
+
+// Group g's entries of the argument arrays: its row range from group_ends, then every pointer,
+// stride and layout CUTLASS reads for it. 64-bit offsets throughout (pools past 2^31 elements).
+// Row-grouped: rows [start, end) of A and D times B[g] ([N, K] or [K, N]), problem (rows, n, k).
+// Depth-grouped: columns [start, end) of A_t [m, k] and B_t [n, k] (k = P pool rows, both with
+// leading dimension P and scales with leading dimension P/128) into D[g], problem (m, n, rows).
+// A group with no rows (or a bad range) gets M = 0, so no tiles: the main loop cannot run zero K
+// steps, and fill_skipped_groups writes its output.
 template <class G>
-__global__ void fill_group_arrays(typename G::GroupArrays arr, const int32_t* group_ends, int num_groups, int n,
-                                  int k, const void* a, const float* sfa, const void* b, const float* sfb, void* d) {
+CUTE_HOST_DEVICE void fill_group_entry(typename G::GroupArrays const& arr, const int32_t* group_ends, int g, int m,
+                                       int n, int k, const void* a, const float* sfa, const void* b, const float* sfb,
+                                       void* d) {
   using ElementAB = typename G::Element;
-  int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= num_groups) return;
-  int64_t start = g == 0 ? 0 : group_ends[g - 1];
-  int m = static_cast<int>(group_ends[g] - start);
-  arr.shapes[g] = typename G::GroupShape(m, n, k);
-  arr.a[g] = static_cast<const ElementAB*>(a) + start * k;
-  arr.b[g] = static_cast<const ElementAB*>(b) + static_cast<int64_t>(g) * n * k;
-  arr.d[g] = static_cast<typename G::ElementD*>(d) + start * n;
+  int64_t start = group_start(group_ends, g);
+  int64_t end = group_ends[g];
+  int64_t kb = k / kScaleBlock;
   typename G::StrideA sa{};
-  get<0>(sa) = k;  // A rows of K
+  get<0>(sa) = k;  // A rows of K (depth-grouped: of P)
   typename G::StrideB sb{};
   if constexpr (std::is_same_v<typename G::LayoutB, cutlass::layout::ColumnMajor>) {
-    get<0>(sb) = k;  // B[g] as [N, K]: step K elements per n
+    get<0>(sb) = k;  // B as [N, K]: step K elements per n
   } else {
     get<1>(sb) = n;  // B[g] as [K, N]: step N elements per k
   }
@@ -203,22 +244,78 @@ __global__ void fill_group_arrays(typename G::GroupArrays arr, const int32_t* gr
   arr.stride_a[g] = sa;
   arr.stride_b[g] = sb;
   arr.stride_d[g] = sd;
-  if constexpr (G::kBlockScaled) {
-    int64_t kb = k / kScaleBlock;
-    arr.sfa[g] = sfa + start * kb;
-    arr.sfb[g] = sfb + static_cast<int64_t>(g) * (n / kScaleBlock) * kb;
-    arr.layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
-    arr.layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+  if constexpr (G::kDepthGrouped) {
+    bool live = start < end && depth_range_valid(start, end, k);
+    int depth = live ? static_cast<int>(end - start) : 0;
+    arr.shapes[g] = typename G::GroupShape(live ? m : 0, n, depth);
+    int64_t offset = live ? start : 0;  // a skipped group's pointers stay inside the operands
+    arr.a[g] = static_cast<const ElementAB*>(a) + offset;
+    arr.b[g] = static_cast<const ElementAB*>(b) + offset;
+    arr.d[g] = static_cast<typename G::ElementD*>(d) + static_cast<int64_t>(g) * m * n;
+    arr.sfa[g] = sfa + offset / kScaleBlock;
+    arr.sfb[g] = sfb + offset / kScaleBlock;
+    // the group's share of the scale columns, rows kb apart (not the packed depth / 128)
+    auto packed_a = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, depth, 1));
+    auto packed_b = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, depth, 1));
+    arr.layout_sfa[g] = typename G::LayoutSFA(
+        packed_a.shape(), replace<0>(packed_a.stride(), replace<1>(get<0>(packed_a.stride()), static_cast<int32_t>(kb))));
+    arr.layout_sfb[g] = typename G::LayoutSFB(
+        packed_b.shape(), replace<0>(packed_b.stride(), replace<1>(get<0>(packed_b.stride()), static_cast<int32_t>(kb))));
+  } else {
+    int rows = static_cast<int>(end - start);
+    arr.shapes[g] = typename G::GroupShape(rows, n, k);
+    arr.a[g] = static_cast<const ElementAB*>(a) + start * k;
+    arr.b[g] = static_cast<const ElementAB*>(b) + static_cast<int64_t>(g) * n * k;
+    arr.d[g] = static_cast<typename G::ElementD*>(d) + start * n;
+    if constexpr (G::kBlockScaled) {
+      arr.sfa[g] = sfa + start * kb;
+      arr.sfb[g] = sfb + static_cast<int64_t>(g) * (n / kScaleBlock) * kb;
+      arr.layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, 1));
+      arr.layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
+    }
   }
 }
 
-template <class ElementAB, class LayoutB, class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule>
-const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, EpilogueSchedule>::run(
+// One thread per group.
+template <class G>
+__global__ void fill_group_arrays(typename G::GroupArrays arr, const int32_t* group_ends, int num_groups, int m, int n,
+                                  int k, const void* a, const float* sfa, const void* b, const float* sfb, void* d) {
+  int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g < num_groups) fill_group_entry<G>(arr, group_ends, g, m, n, k, a, sfa, b, sfb, d);
+}
+
+// Depth-grouped: the output D[g] (m x n bf16) of every group the GEMM gives no tiles. An expert
+// that received no rows has a zero gradient; a bad range gets NaN, so it cannot pass for one.
+// blockIdx.y is the group; the blocks of computed groups exit at once.
+template <class G>
+__global__ void fill_skipped_groups(const int32_t* group_ends, int64_t group_elems, int64_t p, void* d) {
+  static_assert(sizeof(typename G::ElementD) == 2, "bf16 output");
+  int g = blockIdx.y;
+  int64_t start = group_start(group_ends, g);
+  int64_t end = group_ends[g];
+  bool empty = start == end && depth_range_valid(start, end, p);
+  if (start < end && depth_range_valid(start, end, p)) return;
+  uint16_t bits = empty ? 0x0000 : 0x7fc0;  // bf16 zero or quiet NaN
+  uint32_t pair = bits | (static_cast<uint32_t>(bits) << 16);
+  uint4 fill = make_uint4(pair, pair, pair, pair);
+  uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(d) + g * group_elems);  // 16-byte aligned (checked)
+  int64_t chunks = group_elems / 8;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = fill;
+  }
+}
+
+template <class ElementAB, class LayoutB, class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule,
+          GroupedDim kGroupedDim>
+const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, EpilogueSchedule, kGroupedDim>::run(
     const GroupedGemmArgs& p) {
   using Self = GroupedGemm;
   if (p.num_groups <= 0) return "num_groups must be positive";
   if (kBlockScaled && (p.n % kScaleBlock || p.k % kScaleBlock)) return "N and K must be multiples of 128";
   if (p.n % kAlignAB || p.k % kAlignAB) return "N and K must be multiples of 16 bytes";
+  if (kDepthGrouped && (p.m <= 0 || p.m % kScaleBlock)) return "M must be a positive multiple of 128";
+  if (kDepthGrouped && p.num_groups > 65535) return "at most 65535 groups";  // fill_skipped_groups' grid.y
   DeviceGuard guard(p.device);
   size_t arrays = 0;
   GroupArrays arr = carve(p.workspace, p.num_groups, &arrays);
@@ -228,7 +325,15 @@ const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, E
 
   constexpr int kThreads = 128;
   fill_group_arrays<Self><<<(p.num_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      arr, p.group_ends, p.num_groups, p.n, p.k, p.a, p.a_scales, p.b, p.b_scales, p.d);
+      arr, p.group_ends, p.num_groups, p.m, p.n, p.k, p.a, p.a_scales, p.b, p.b_scales, p.d);
+  if constexpr (kDepthGrouped) {
+    // enough 16-byte stores per block to amortize its launch; at most 32 blocks per group
+    int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
+    constexpr int kFillThreads = 256, kChunksPerThread = 16;
+    int64_t blocks = (group_elems / 8 + kFillThreads * kChunksPerThread - 1) / (kFillThreads * kChunksPerThread);
+    dim3 grid(static_cast<unsigned>(blocks < 32 ? blocks : 32), static_cast<unsigned>(p.num_groups));
+    fill_skipped_groups<Self><<<grid, kFillThreads, 0, stream>>>(p.group_ends, group_elems, p.k, p.d);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cudaGetErrorString(err);
 

@@ -1,11 +1,14 @@
 """Grouped expert GEMMs on CUTLASS (megamoe_train._cuda, built from csrc/cuda/).
 
-The pool's expert groups are contiguous row ranges ending at `group_ends` (device int32):
-group g computes out[rows] = a[rows] @ b[g]^T with fp32 accumulation and stores bf16.
+The pool's expert groups are contiguous row ranges ending at `group_ends` (device int32).
+Forward and dgrad: group g computes out[rows] = a[rows] @ b[g]^T with fp32 accumulation and
+stores bf16; rows past group_ends[-1] are left untouched.
 - fp8: a e4m3 with 1x128 scales, b e4m3 [G, N, K] with 128x128 scales (DeepSeek-V3's recipe);
 - bf16: b as [G, N, K] ("nk", the forward's x @ W^T) or [G, K, N] ("kn", the dgrad's dY @ W).
+Weight gradients (`fp8_wgrad_grouped_gemm`): the rows are the K of expert g's product of two
+pool-transposed operands, out[g] = a_t[:, rows] @ b_t[:, rows]^T, 1x128 scales on both.
 Group sizes are read on the device, so a call never syncs with the host and is capturable in a
-CUDA graph. Rows past group_ends[-1] are left untouched.
+CUDA graph.
 
 The extension exists only where setup.py found nvcc and the CUTLASS headers; `available()` says
 whether this process can use it (sm_90 only: the kernels use wgmma).
@@ -28,6 +31,7 @@ B_LAYOUTS = {"nk": 0, "kn": 1}
 # csrc/cuda/*_grouped_gemm.cu lists the variants.
 FP8_DEFAULT = (0, 1)
 BF16_DEFAULT = (0, 1)
+FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
 
 # (kind, device index, groups, variant, layout, stream) -> scratch for CUTLASS's per-group
 # argument arrays; per stream, so GEMMs queued on two streams never share one.
@@ -51,6 +55,8 @@ def _workspace(kind: str, device: torch.device, groups: int, variant: int, layou
     if ws is None:
         if kind == "fp8":
             nbytes = _cuda.fp8_grouped_gemm_workspace_bytes(groups, variant, device.index)
+        elif kind == "fp8_wgrad":
+            nbytes = _cuda.fp8_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
         else:
             nbytes = _cuda.bf16_grouped_gemm_workspace_bytes(groups, variant, layout, device.index)
         ws = _WORKSPACES[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -122,5 +128,55 @@ def bf16_grouped_gemm(a, b, group_ends, out, b_layout: str = "nk", variant: int 
     _cuda.bf16_grouped_gemm(
         a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, N, K, layout, variant, swizzle,
         ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+    )
+    return out
+
+
+def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, variant: int | None = None,
+                           swizzle: int | None = None):
+    """The fp8 recipe's expert weight gradients, one K-grouped GEMM: for each expert g with pool
+    rows [s, e) (s = group_ends[g-1] or 0, e = group_ends[g]),
+        out[g] = sum over k in [s, e) of (a_t[:, k] * a_t_scales[:, k // 128]) outer
+                                         (b_t[:, k] * b_t_scales[:, k // 128])
+    with fp32 accumulation (the scales applied per 128-deep K step), stored bf16.
+
+    a_t e4m3 [M, P] and b_t e4m3 [N, P]: the pool's operands transposed, pool rows contiguous
+    (P a multiple of 128, M and N too); a_t_scales fp32 [M, P/128], b_t_scales fp32 [N, P/128];
+    group_ends int32 [G]: multiples of 128, nondecreasing, at most P; out bf16 [G, M, N].
+    An expert with no rows gets zeros; pool rows past group_ends[-1] are not read. group_ends is
+    read on the device only, so it is not checked here: a group whose range breaks those rules
+    is not computed and its out[g] is NaN. Returns out."""
+    fn = "fp8_wgrad_grouped_gemm"
+    # shapes, dtypes and layout first (testable without a GPU), then the device and the extension
+    if a_t.dim() != 2 or b_t.dim() != 2 or group_ends.dim() != 1:
+        raise ValueError(f"{fn}: a_t [M, P], b_t [N, P] and group_ends [G] expected, got shapes "
+                         f"{list(a_t.shape)}, {list(b_t.shape)} and {list(group_ends.shape)}")
+    (M, P), N, G = a_t.shape, b_t.shape[0], group_ends.shape[0]
+    if G == 0:
+        raise ValueError(f"{fn}: group_ends is empty (no experts)")
+    if M % SCALE_BLOCK or N % SCALE_BLOCK or P % SCALE_BLOCK:
+        raise ValueError(f"{fn}: M={M}, N={N} and P={P} (pool rows) must be multiples of {SCALE_BLOCK}")
+    dev = a_t.device
+    _check(fn, "a_t", a_t, torch.float8_e4m3fn, (M, P), dev)
+    _check(fn, "a_t_scales", a_t_scales, torch.float32, (M, P // SCALE_BLOCK), dev)
+    _check(fn, "b_t", b_t, torch.float8_e4m3fn, (N, P), dev)
+    _check(fn, "b_t_scales", b_t_scales, torch.float32, (N, P // SCALE_BLOCK), dev)
+    _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
+    _check(fn, "out", out, torch.bfloat16, (G, M, N), dev)
+    for name, t in (("a_t", a_t), ("b_t", b_t), ("out", out)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
+    if dev.type != "cuda":
+        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
+    _require_extension(fn)
+    variant = FP8_WGRAD_DEFAULT[0] if variant is None else variant
+    swizzle = FP8_WGRAD_DEFAULT[1] if swizzle is None else swizzle
+    if not 0 <= variant < _cuda.FP8_WGRAD_VARIANTS:
+        raise ValueError(f"{fn}: variant must be in [0, {_cuda.FP8_WGRAD_VARIANTS}), got {variant}")
+    stream = torch.cuda.current_stream(dev)
+    ws = _workspace("fp8_wgrad", dev, G, variant, 0, stream)
+    _cuda.fp8_wgrad_grouped_gemm(
+        a_t.data_ptr(), a_t_scales.data_ptr(), b_t.data_ptr(), b_t_scales.data_ptr(), out.data_ptr(),
+        group_ends.data_ptr(), G, M, N, P, variant, swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
     )
     return out

@@ -1,0 +1,114 @@
+"""What can be checked of the CUTLASS wgrad GEMM (backends/cutlass_gemm.py, csrc/cuda/) without a
+GPU: the Python argument checks (CPU tensors: every check before the device one), the C++
+checks that run before any CUDA call (where the extension is built), and the per-group argument
+arrays the fill kernel writes (tests/csrc/group_arrays_check.cu, built with nvcc where found)."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe_train.backends import cutlass_gemm
+
+ROOT = Path(__file__).resolve().parent.parent
+E4M3 = torch.float8_e4m3fn
+
+
+def wgrad_operands(m=256, n=384, p=1024, groups=4):
+    a_t = torch.zeros(m, p, dtype=E4M3)
+    b_t = torch.zeros(n, p, dtype=E4M3)
+    a_s = torch.ones(m, p // 128)
+    b_s = torch.ones(n, p // 128)
+    ends = torch.tensor([256, 256, 640, 768][:groups], dtype=torch.int32)
+    out = torch.empty(groups, m, n, dtype=torch.bfloat16)
+    return [a_t, a_s, b_t, b_s, ends, out]
+
+
+def bad_case(index, value):
+    args = wgrad_operands()
+    args[index] = value
+    return args
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (bad_case(0, torch.zeros(256, 1024, dtype=torch.bfloat16)), "a_t must be a contiguous torch.float8_e4m3fn"),
+        (bad_case(0, torch.zeros(1024, 256, dtype=E4M3).t()), "a_t must be a contiguous"),
+        (bad_case(1, torch.ones(256, 4)), "a_t_scales must be a contiguous torch.float32 tensor of shape \\[256, 8\\]"),
+        (bad_case(1, torch.ones(8, 256).t()), "a_t_scales must be a contiguous"),
+        (bad_case(2, torch.zeros(384, 896, dtype=E4M3)), "b_t must be .* shape \\[384, 1024\\]"),
+        (bad_case(3, torch.ones(384, 8, dtype=torch.float64)), "b_t_scales must be a contiguous torch.float32"),
+        (bad_case(4, torch.tensor([256, 256, 640, 768])), "group_ends must be a contiguous torch.int32"),
+        (bad_case(4, torch.zeros(0, dtype=torch.int32)), "group_ends is empty"),
+        (bad_case(4, torch.zeros(2, 2, dtype=torch.int32)), "group_ends \\[G\\] expected"),
+        (bad_case(5, torch.empty(4, 384, 256, dtype=torch.bfloat16)), "out must be .* shape \\[4, 256, 384\\]"),
+        (bad_case(5, torch.empty(4, 256, 384)), "out must be a contiguous torch.bfloat16"),
+        (bad_case(5, torch.empty(4 * 256 * 384 + 1, dtype=torch.bfloat16)[1:].view(4, 256, 384)), "out must start at a 16-byte aligned"),
+        (bad_case(0, torch.zeros(256 * 1024 + 8, dtype=E4M3)[8:].view(256, 1024)), "a_t must start at a 16-byte aligned"),
+        (bad_case(0, torch.zeros(200, 1024, dtype=E4M3)), "M=200, N=384 and P=1024 .* multiples of 128"),
+        (bad_case(0, torch.zeros(256, 1000, dtype=E4M3)), "P=1000 .* multiples of 128"),
+        (wgrad_operands(), "must be CUDA tensors"),  # everything else is right
+    ],
+)
+def test_wgrad_rejects_bad_operands_before_touching_a_device(args, message):
+    with pytest.raises(ValueError, match=message):
+        cutlass_gemm.fp8_wgrad_grouped_gemm(*args)
+
+
+needs_extension = pytest.mark.skipif(cutlass_gemm._cuda is None, reason="megamoe_train._cuda not built")
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "groups,m,n,p,variant,message",
+    [
+        (0, 256, 256, 1024, 0, "num_groups must be positive"),
+        (4, 200, 256, 1024, 0, "M must be a positive multiple of 128"),
+        (4, 256, 200, 1024, 0, "N and K must be multiples of 128"),
+        (4, 256, 256, 1000, 0, "N and K must be multiples of 128"),
+        (70000, 256, 256, 1024, 0, "at most 65535 groups"),
+        (4, 256, 256, 1024, 7, "unknown fp8 wgrad variant"),
+    ],
+)
+def test_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message):
+    # the addresses are never used: each of these is refused before any CUDA call
+    with pytest.raises(RuntimeError, match=f"fp8_wgrad_grouped_gemm: {message}"):
+        cutlass_gemm._cuda.fp8_wgrad_grouped_gemm(0, 0, 0, 0, 0, 0, groups, m, n, p, variant, 1, 0, 0, 0, 0)
+    assert cutlass_gemm._cuda.FP8_WGRAD_VARIANTS >= 2
+
+
+def _toolchain():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home and shutil.which("nvcc"):
+        home = str(Path(shutil.which("nvcc")).resolve().parent.parent)
+    try:
+        import cutlass_library
+    except ImportError:
+        return None
+    include = Path(cutlass_library.__file__).parent / "source" / "include"
+    if not home or not (Path(home) / "bin" / "nvcc").exists() or not (include / "cutlass" / "cutlass.h").exists():
+        return None
+    lib = next((Path(home) / d for d in ("lib64", "lib") if (Path(home) / d / "libcudart_static.a").exists()), None)
+    return (Path(home) / "bin" / "nvcc", include, lib) if lib else None
+
+
+@pytest.mark.skipif(_toolchain() is None, reason="needs nvcc (CUDA_HOME) and the CUTLASS headers (nvidia-cutlass)")
+def test_group_arrays_on_the_host(tmp_path):
+    nvcc, include, lib = _toolchain()
+    exe = tmp_path / "group_arrays_check"
+    build = subprocess.run(
+        [str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+         f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{include}", f"-L{lib}", str(ROOT / "tests" / "csrc" / "group_arrays_check.cu"),
+         "-o", str(exe)],
+        capture_output=True, text=True, timeout=600,
+    )
+    if build.returncode != 0 and "unsupported gpu architecture" in build.stderr.lower():
+        pytest.skip(f"nvcc cannot target sm_90a: {build.stderr.strip()[:200]}")
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "OK (0 failures)" in run.stdout
