@@ -19,7 +19,7 @@ class MegaMoEConfig:
     hidden, intermediate: model width H and per-expert FFN width I (fc1 is [2*I, H]).
     topk: experts per token K.
     num_max_tokens_per_rank: most tokens one rank may pass in one call; sizes the buffer.
-    recipe: "bf16", "fp8" or "mxfp8_mxfp4" (see precision.py).
+    recipe: "bf16", "fp8", "fp8_e4m3_wgrad" or "mxfp8_mxfp4" (see precision.py).
     num_shared_experts, shared_intermediate: shared experts run on every token, fused into one
       MLP of width num_shared_experts * shared_intermediate (shared_intermediate defaults to
       intermediate).

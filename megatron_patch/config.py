@@ -19,7 +19,7 @@ from megamoe_train import MegaMoEConfig
 from megamoe_train.backends import NAMES as _BACKEND_NAMES
 from megamoe_train.precision import RECIPES as _RECIPES
 
-RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "mxfp8_mxfp4"
+RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4"
 BACKENDS = ("auto", *_BACKEND_NAMES)  # every name mega_moe(backend=...) takes
 
 

@@ -31,9 +31,6 @@ from megamoe_train.quant import dequantize_act, dequantize_grad, quantize_act, q
 from megamoe_train.weights import deinterleave_gate_up, transform_weights
 
 FP8 = RECIPES["fp8"]
-# The wgrad format the triton executor runs: the recipe's own (e4m3: both wgrad operands quantized
-# in 128-row blocks of the pool, so the executor pads each expert to 128 rows; row_align).
-EXECUTOR_WGRAD_FORMAT = FP8.wgrad_format
 POISON_E4M3 = 0x7F  # an e4m3 NaN
 
 
@@ -126,7 +123,7 @@ def check_quantize_tokens_t(device):
             want_values = dequantize_act(src, src_scales, FP8)
             src = src.view(torch.uint8).masked_fill(pad[:, None], POISON_E4M3).view(torch.float8_e4m3fn)
             src_scales = src_scales.masked_fill(pad[:, None], float("nan"))
-        want_q, want_s = quantize_tokens_t(want_values.masked_fill(pad[:, None], 0.0), FP8)
+        want_q, want_s = quantize_tokens_t(want_values.masked_fill(pad[:, None], 0.0), RECIPES["fp8_e4m3_wgrad"])
         for block_c in (32, 64, 128):
             out, out_s = poisoned_e4m3(C, P, device=device), nans(C, P // 128, device=device)
             K_.quantize_tokens_t(src.to(device), None if src_scales is None else src_scales.to(device),
@@ -182,13 +179,13 @@ def check_swiglu_forward_quantized(device):
     assert same.float().mean() > 0.99, f"forward act e4m3: {1 - same.float().mean():.2%} of codes differ"
 
 
-def check_executor_backward_against_reference(device):
+def check_executor_backward_against_reference(device, recipe: str = "fp8"):
     """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, fp8 wgrads through the
     CUTLASS K-grouped GEMM, or off CUDA through torch._grouped_mm on the same quantized operands) against the reference executor on the same padded plan and inputs (the
-    fp8 recipe with the executor's wgrad format, EXECUTOR_WGRAD_FORMAT), and against the oracle
+    recipe: fp8, or fp8_e4m3_wgrad with the fp8 wgrads, whose pool pads experts to 128 rows), and against the oracle
     with unquantized gradients (to show the check can tell them apart)."""
     cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=2, num_max_tokens_per_rank=40,
-                        recipe="fp8", block_m=64, dtype=torch.bfloat16, activation_clamp=6.0)
+                        recipe=recipe, block_m=64, dtype=torch.bfloat16, activation_clamp=6.0)
     g = torch.Generator().manual_seed(5)
     T, E, H, I, K = 37, cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -233,14 +230,14 @@ def check_executor_backward_against_reference(device):
 
     def oracle(**formats):
         """The reference backward under the fp8 recipe with these gradient formats (registered for this call only)."""
-        RECIPES["fp8_check"] = dataclasses.replace(FP8, name="fp8_check", **formats)
+        RECIPES["fp8_check"] = dataclasses.replace(RECIPES[recipe], name="fp8_check", **formats)
         try:
             return [t.cpu() for t in ref.experts_backward(dataclasses.replace(cfg, recipe="fp8_check"), weights, plan,
                                                           ref_state, pool_grad)]
         finally:
             del RECIPES["fp8_check"]
 
-    want = oracle(wgrad_format=EXECUTOR_WGRAD_FORMAT)
+    want = oracle()
     unquantized = oracle(grad_format="native", wgrad_format="native")
 
     def rel(a, b, rows):
@@ -265,7 +262,7 @@ def run_all(device) -> dict:
     for clamp in (None, 0.75):
         check_swiglu_backward_quantized(device, clamp)
     check_swiglu_forward_quantized(device)
-    return check_executor_backward_against_reference(device)
+    return {recipe: check_executor_backward_against_reference(device, recipe) for recipe in ("fp8", "fp8_e4m3_wgrad")}
 
 
 def main(argv):
@@ -275,9 +272,9 @@ def main(argv):
     if argv[1:] == ["wgrad_quant"]:
         check_quantize_tokens_t("cpu")
     else:
-        errors = run_all("cpu")
-        for name, (err, err_unquantized) in errors.items():
-            print(f"{name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized gradients")
+        for recipe, errors in run_all("cpu").items():
+            for name, (err, err_unquantized) in errors.items():
+                print(f"{recipe} {name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized gradients")
     print("all interpreter checks passed")
 
 

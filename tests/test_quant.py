@@ -24,6 +24,7 @@ from megamoe_train.quant import (
 )
 
 FP8, MX, BF16 = RECIPES["fp8"], RECIPES["mxfp8_mxfp4"], RECIPES["bf16"]
+FP8_WGRAD = RECIPES["fp8_e4m3_wgrad"]  # fp8 with the wgrad operands quantized along the tokens
 
 
 def randn(*shape, seed=0, spread=True):
@@ -328,7 +329,7 @@ def e4m3_bits(t):
 
 
 def test_wgrad_format_per_recipe():
-    assert FP8.wgrad_format == "e4m3" and FP8.quantized_wgrad
+    assert not FP8.quantized_wgrad and RECIPES["fp8_e4m3_wgrad"].quantized_wgrad
     assert not BF16.quantized_wgrad and not MX.quantized_wgrad
 
 
@@ -336,14 +337,14 @@ def test_tokens_t_layout_and_rounding_rule():
     """[P, C] -> data [C, P] (tokens contiguous), scales [C, P/128]: per column, blocks of 128 rows,
     scale = max(amax, 1e-4) / 448, the activation quantizer's rounding of the transpose."""
     values = randn(256, 384, seed=20).t().contiguous()  # [P=384, C=256], magnitudes spread along P
-    data, scales = quantize_tokens_t(values, FP8)
+    data, scales = quantize_tokens_t(values, FP8_WGRAD)
     assert data.dtype == torch.float8_e4m3fn and data.shape == (256, 384) and data.is_contiguous()
     assert scales.dtype == torch.float32 and scales.shape == (256, 3) and scales.is_contiguous()
     amax = values.abs().unflatten(0, (3, 128)).amax(1).t()  # [C, P/128]
     assert torch.equal(scales, amax.clamp_min(1e-4) / torch.full_like(amax, 448.0))
     ref_data, ref_scales = quantize_act(values.t().contiguous(), FP8)
     assert torch.equal(e4m3_bits(data), e4m3_bits(ref_data)) and torch.equal(scales, ref_scales)
-    deq = dequantize_tokens_t(data, scales, FP8)
+    deq = dequantize_tokens_t(data, scales, FP8_WGRAD)
     assert torch.equal(deq, dequantize_act(ref_data, ref_scales, FP8))
     # the e4m3 error bound: 2^-4 relative for normals, half a subnormal step (2^-10 * scale) below
     step = scales.repeat_interleave(128, 1)
@@ -354,18 +355,18 @@ def test_tokens_t_one_large_value_sets_only_its_block():
     g = torch.Generator().manual_seed(21)
     values = torch.randn(256, 128, generator=g)
     values[130, 5] = 1000.0
-    data, scales = quantize_tokens_t(values, FP8)
+    data, scales = quantize_tokens_t(values, FP8_WGRAD)
     assert scales[5, 1] == torch.tensor(1000.0) / 448.0 and data[5, 130].float() == 448.0
     clean = values.clone()
     clean[130, 5] = 0.0
-    clean_data, clean_scales = quantize_tokens_t(clean, FP8)
+    clean_data, clean_scales = quantize_tokens_t(clean, FP8_WGRAD)
     changed = (scales != clean_scales).nonzero().tolist()
     assert changed == [[5, 1]], changed  # only that column's block
     same = torch.ones(128, 256, dtype=torch.bool)
     same[5, 128:] = False
     assert torch.equal(e4m3_bits(data)[same], e4m3_bits(clean_data)[same])
     # the rest of that block is rounded on the large scale: coarser, still within the e4m3 bound
-    block = dequantize_tokens_t(data, scales, FP8)[5, 128:]
+    block = dequantize_tokens_t(data, scales, FP8_WGRAD)[5, 128:]
     assert ((block - values[128:, 5]).abs() <= values[128:, 5].abs() * 2**-4 + scales[5, 1] * 2**-10).all()
 
 
@@ -374,25 +375,25 @@ def test_tokens_t_zero_rows_and_blocks():
     values = torch.randn(384, 256, generator=g)
     values[100:128] = 0  # padding rows at the end of an expert's first block
     values[256:] = 0  # a whole block of zeros
-    data, scales = quantize_tokens_t(values, FP8)
+    data, scales = quantize_tokens_t(values, FP8_WGRAD)
     assert (e4m3_bits(data)[:, 100:128] == 0).all() and (e4m3_bits(data)[:, 256:] == 0).all()
     assert torch.equal(scales[:, 2], torch.full((256,), 1e-4) / torch.full((256,), 448.0))
     assert torch.equal(scales[:, 0], values[:128].abs().amax(0) / 448.0)  # zero rows do not touch the scale
     # one expert's 100 rows: blocks from its first row, the last one padded with zero rows
-    assert torch.equal(fake_quantize_tokens(values[:100], FP8), dequantize_tokens_t(data, scales, FP8).t()[:100])
-    assert torch.equal(fake_quantize_tokens(values[:300], FP8), dequantize_tokens_t(data, scales, FP8).t()[:300])
+    assert torch.equal(fake_quantize_tokens(values[:100], FP8_WGRAD), dequantize_tokens_t(data, scales, FP8_WGRAD).t()[:100])
+    assert torch.equal(fake_quantize_tokens(values[:300], FP8_WGRAD), dequantize_tokens_t(data, scales, FP8_WGRAD).t()[:300])
 
 
 def test_tokens_t_native_and_errors():
     v = randn(8, 64, seed=23)
     data, scales = quantize_tokens_t(v, BF16)
     assert torch.equal(data, v.t()) and scales is None and torch.equal(fake_quantize_tokens(v, MX), v)
-    with pytest.raises(ValueError, match="quantize_tokens_t: 200 rows are not a multiple of the 'fp8' wgrad token block 128"):
-        quantize_tokens_t(torch.randn(200, 128), FP8)
+    with pytest.raises(ValueError, match="quantize_tokens_t: 200 rows are not a multiple of the 'fp8_e4m3_wgrad' wgrad token block 128"):
+        quantize_tokens_t(torch.randn(200, 128), FP8_WGRAD)
     with pytest.raises(ValueError, match=r"quantize_tokens_t: expected a floating tensor \[P, C\]"):
-        quantize_tokens_t(torch.randn(2, 128, 4), FP8)
-    data, scales = quantize_tokens_t(torch.randn(256, 4), FP8)
+        quantize_tokens_t(torch.randn(2, 128, 4), FP8_WGRAD)
+    data, scales = quantize_tokens_t(torch.randn(256, 4), FP8_WGRAD)
     with pytest.raises(ValueError, match="dequantize_tokens_t: scales must have shape"):
-        dequantize_tokens_t(data, scales[:, :1], FP8)
+        dequantize_tokens_t(data, scales[:, :1], FP8_WGRAD)
     with pytest.raises(ValueError, match="a quantized wgrad needs activation blocks"):
         RECIPES["fp8"].__class__("bad", "native", 0, "native", (0, 0), "none", 8, wgrad_format="e4m3")

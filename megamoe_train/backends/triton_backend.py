@@ -40,7 +40,7 @@ from . import triton_kernels as K_
 BF16_GROUP_ALIGN = 16
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
 _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
-SUPPORTED_RECIPES = ("bf16", "fp8")
+SUPPORTED_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad")
 
 
 def supports(buf: SymmBuffer) -> bool:
