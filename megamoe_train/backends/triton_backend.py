@@ -7,10 +7,11 @@
   (cutlass_gemm.py; our Triton kernel where the CUDA extension was not built); backward: with
   the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized after the pull, dH by the SwiGLU
   backward, both e4m3 with 1x128 scales, against the transposed quantized weights
-  ExpertWeights.w2_t / w1_t), and the two wgrads fp8 as well (dY, dH and the stored activations
-  each quantized along the pool rows in 128-row blocks by quantize_tokens_t, transposed, into
-  the CUTLASS K-grouped GEMM; each expert is padded to 128 pool rows so no block spans two);
-  with bf16 every backward GEMM is bf16;
+  ExpertWeights.w2_t / w1_t); the wgrads bf16 (fp32 accumulation) on the dequantized stored
+  activations and the unquantized gradients, except with recipe fp8_e4m3_wgrad: dY, dH and the
+  stored activations each quantized along the pool rows in 128-row blocks by quantize_tokens_t,
+  transposed, into the CUTLASS K-grouped fp8 GEMM (each expert padded to 128 pool rows so no
+  block spans two; measured slower than bf16, NOTES.md); with bf16 every backward GEMM is bf16;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
