@@ -1,6 +1,6 @@
 """Profile one mega_moe forward+backward on every GPU of this host (dev tool for kernel work).
 
-  python benchmarks/profile_layer.py --shape S1 --recipe fp8 [--world 2] [--backend triton]
+  python benchmarks/profile_layer.py --shape S1 --recipe fp8 [--world 2] [--backend triton] [--cuda-graph]
 
 Prints the median forward and forward+backward times, then rank 0's CUDA kernels of one
 profiled iteration, by total time: where to look next.
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
+from megamoe_train.graphs import GraphedMegaMoE
 from megamoe_train.launch import spawn
 
 from bench_layer import SHAPES as LAYER_SHAPES
@@ -72,7 +73,7 @@ def _busy_summary(prof) -> str:
             f"{busy / 1e3:.3f} of {window / 1e3:.3f} ms first-to-last kernel ({100 * busy / window:.0f}%)")
 
 
-def worker(rank, world, shape, recipe, backend, iters):
+def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False):
     E, K, H, I, T = SHAPES[shape]
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(None, cfg)
@@ -85,8 +86,10 @@ def worker(rank, world, shape, recipe, backend, iters):
         with torch.no_grad():
             mega_moe(x, idx, tw, w1, w2, buf, backend=backend)
 
+    graphed = GraphedMegaMoE(buf, w1, w2, backend=backend) if cuda_graph else None
+
     def fwd_bwd():
-        y = mega_moe(x, idx, tw, w1, w2, buf, backend=backend)
+        y = graphed(x, idx, tw) if graphed else mega_moe(x, idx, tw, w1, w2, buf, backend=backend)
         y.backward(gy)
         for t in leaves:
             t.grad = None
@@ -95,7 +98,8 @@ def worker(rank, world, shape, recipe, backend, iters):
         fwd_bwd()
     t_fwd, t_all = _time(fwd, iters), _time(fwd_bwd, iters)
     if rank == 0:
-        print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, forward+backward {t_all:.3f} ms", flush=True)
+        how = "forward+backward replayed from CUDA graphs" if cuda_graph else "forward+backward"
+        print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, {how} {t_all:.3f} ms", flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         fwd_bwd()
         torch.cuda.synchronize()
@@ -112,8 +116,9 @@ def main():
     p.add_argument("--backend", default="triton")
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--cuda-graph", action="store_true", help="forward+backward through megamoe_train.graphs.GraphedMegaMoE")
     a = p.parse_args()
-    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters), backend="nccl")
+    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters, a.cuda_graph), backend="nccl")
 
 
 if __name__ == "__main__":
