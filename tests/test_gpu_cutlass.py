@@ -87,18 +87,24 @@ def test_agrees_with_triton_kernel():
     assert rel_err(ours, tri.float()) < 4e-3
 
 
+def captured(call):
+    """call() once on a side stream (warm-up outside the capture), then captured into a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 @needs_cutlass
 def test_cuda_graph_replay_reads_group_sizes_on_device():
     aq, a_s, bq, b_s, ends = make_case([128, 128, 128, 128], 256, 256, seed=5)
     out = torch.zeros(aq.shape[0], 256, dtype=torch.bfloat16, device=aq.device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out)
+    graph = captured(lambda: cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out))
     # new group sizes, same tensors: the replay must follow them (no sizes baked in on the host)
     ends.copy_(torch.tensor([256, 256, 384, 512], device=aq.device, dtype=torch.int32))
     out.fill_(float("nan"))
@@ -268,14 +274,7 @@ def test_wgrad_cuda_graph_replay_follows_new_group_ends():
     m, n = 256, 256
     aq, a_s, bq, b_s, ends = make_wgrad_case([256, 0, 256, 256], m, n, seed=5)
     full, out = guarded_out(4, m, n, aq.device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out)
+    graph = captured(lambda: cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out))
     # new sizes, same tensors: expert 1 now has rows, expert 2 none, expert 3 more
     ends.copy_(torch.tensor([128, 384, 384, 768], device=aq.device, dtype=torch.int32))
     out.fill_(float("nan"))
