@@ -99,7 +99,8 @@ class MoESection:
 class TrainSection:
     steps: int = 100  # length of the run (the LR schedule ends here)
     stop_at: Optional[int] = None  # end this invocation after this step (checkpointed); resume continues
-    micro_batch_size: int = 8  # sequences per rank per step; global batch = micro_batch * DP size
+    micro_batch_size: int = 8  # sequences per rank per forward; global batch = micro_batch * DP size * grad_accum_steps
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (forward + backward each; one optimizer step)
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10  # linear warmup, then cosine decay to min_lr at `steps`
@@ -135,7 +136,8 @@ class Recipe:
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.micro_batch_size * self.data_parallel_size
+        """Sequences per optimizer step, over every data-parallel rank and micro-batch."""
+        return self.train.micro_batch_size * self.data_parallel_size * self.train.grad_accum_steps
 
     @property
     def tokens_per_step(self) -> int:
@@ -304,7 +306,7 @@ def validate(recipe: Recipe) -> Recipe:
         "model.rotary_base", "model.init_std",
         "moe.num_experts", "moe.topk", "moe.ffn_hidden_size", "moe.shared_expert_ffn_hidden_size",
         "moe.max_tokens_per_rank", "moe.router_num_groups", "moe.router_group_topk",
-        "train.steps", "train.stop_at", "train.micro_batch_size", "train.lr", "run.log_every",
+        "train.steps", "train.stop_at", "train.micro_batch_size", "train.grad_accum_steps", "train.lr", "run.log_every",
         "run.peak_tflops", "run.profile_at", "run.profile_steps",
     )
     for dotted, value in (("run.plot_every", r.plot_every), ("run.save_every", r.save_every),

@@ -7,6 +7,7 @@ Trains the model of `megamoe_trainer.model` (Adam, linear warmup + cosine decay)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -191,6 +192,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
     mbs, gbs = recipe.train.micro_batch_size, recipe.global_batch_size
+    accum, dp_size = recipe.train.grad_accum_steps, parallel_state.get_data_parallel_world_size()
     steps = recipe.train.steps
     last = min(steps, recipe.train.stop_at or steps)  # this invocation's final step
     if start_step >= last:
@@ -198,7 +200,11 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     report = ProgressReport(recipe, run_dir, start_step if latest else None, start_step + 1, last) if is_main else None
     profiler = StepProfiler(recipe, run_dir, model, rank) if recipe.run.profile_at else None
 
-    def fetch(first_sample: int) -> dict:
+    def fetch(step_start: int, micro: int) -> dict:
+        """Micro-batch `micro` of the step whose samples start at step_start: micro-batch i
+        covers the step's samples [i * dp * mbs, (i + 1) * dp * mbs), this rank its mbs of them
+        (with one micro-batch per step: the rank's slice of the global batch, as before)."""
+        first_sample = step_start + (micro * dp_size + dp_rank) * mbs
         batch = corpus.batch(range(first_sample, first_sample + mbs))
         if device == "cuda":
             return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
@@ -219,7 +225,11 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     last_ckpt_step = start_step
     prev_end = None
     model.train()
-    batch = fetch(consumed + dp_rank * mbs) if start_step < last else None
+    if accum > 1:  # Megatron's aux losses reach the router through this scale, like the main loss
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / accum, device=dev))
+    batch = fetch(consumed, 0) if start_step < last else None
     for step in range(start_step + 1, last + 1):
         host_start = time.perf_counter()
         start_event = None
@@ -232,15 +242,21 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         _set_lr(optimizer, lr)
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [B, S]
-        mask = batch["loss_mask"]
-        loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
-        loss.backward()
+        loss = 0.0
+        for micro in range(accum):  # gradients add up in main_grad; DDP reduces after the last
+            with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [B, S]
+                mask = batch["loss_mask"]
+                micro_loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1) / accum
+                micro_loss.backward()
+            loss = loss + micro_loss.detach()
+            if micro < accum - 1:
+                batch = fetch(consumed, micro + 1)
         finalize_model_grads([model])
         ok, grad_norm, _ = optimizer.step()
         consumed += gbs
         if step < last:  # the next batch is made while the GPU works through this step
-            batch = fetch(consumed + dp_rank * mbs)
+            batch = fetch(consumed, 0)
 
         # loss, success, grad norm as one device tensor (torch.full: a host value sent to the GPU
         # with torch.tensor would synchronize)

@@ -64,6 +64,7 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["model.hiden_size=64"], "model.hiden_size"),  # unknown key
         (["trian.steps=3"], "trian"),  # unknown section
         (["train.steps=ten"], "train.steps"),  # wrong type
+        (["train.grad_accum_steps=0"], "train.grad_accum_steps"),
         (["train.lr=[1]"], "train.lr"),
         (["parallel.expert_parallel=3"], "parallel.expert_parallel"),  # does not divide world size
         (["parallel.world_size=4", "parallel.expert_parallel=4", "moe.num_experts=6"], "parallel.expert_parallel"),
@@ -171,6 +172,23 @@ def test_train_checkpoint_resume(tmp_path):
 
     # a checkpoint written by 2 ranks is not resumed by 1 (refused before any rank starts)
     assert cli_main([TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]) == 2
+
+
+def test_gradient_accumulation_matches_one_large_micro_batch(tmp_path):
+    """Two micro-batches of 2 sequences per step give the steps of one micro-batch of 4: the same
+    samples per step, the loss a mean over micro-batches, gradients summed in main_grad before one
+    all-reduce (DDP no_sync), the aux losses scaled like the main loss."""
+    runs = {}
+    for name, mbs, accum in (("one", 4, 1), ("two", 2, 2)):
+        run = str(tmp_path / name)
+        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
+                                   "--set", f"train.micro_batch_size={mbs}", "--set", f"train.grad_accum_steps={accum}",
+                                   "--set", "run.checkpoint=false"])
+        assert code == 0, out + err
+        runs[name] = _metrics(run)
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-4), (a, b)
+    assert runs["one"][0]["loss"] == pytest.approx(runs["two"][0]["loss"], rel=1e-5)  # before any update
 
 
 def test_synthetic_corpus_is_deterministic():
