@@ -296,6 +296,8 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
               f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {report.metrics.path} | plot {report.plot_path}", flush=True)
         if summary["peak_memory_gib"]:
             print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
+    if accum > 1:  # no CUDA tensor left in a class attribute for interpreter exit to free
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
     dist.barrier()
 
 
