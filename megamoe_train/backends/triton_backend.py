@@ -93,11 +93,12 @@ def _tokens_t(src, src_scales, plan: Plan):
     return data, scales
 
 
-def _fp8_wgrad(grad, grad_scales, act, act_scales, plan: Plan):
+def _fp8_wgrad(grad, act, act_scales, plan: Plan):
     """grad_w[e] = Qt(grad)_e^T Qt(act)_e over expert e's pool rows (docs/precision.md): bf16
-    [E, C_grad, C_act]. CUTLASS where built; otherwise the same quantized operands, dequantized
-    (to bf16: e4m3 times a power-of-two-free scale rounds once more) through torch's grouped GEMM."""
-    a_t, a_s = _tokens_t(grad, grad_scales, plan)
+    [E, C_grad, C_act]. CUTLASS where built; otherwise the same quantized operands dequantized
+    through torch's grouped GEMM (rounded to bf16 on the way: an e4m3 value times an fp32 scale
+    is not always a bf16 value)."""
+    a_t, a_s = _tokens_t(grad, None, plan)
     b_t, b_s = _tokens_t(act, act_scales, plan)
     E = plan.expert_ends.shape[0]
     if cutlass_gemm.available(grad.device):
@@ -162,25 +163,25 @@ class TritonExecutor:
     # --------------------------------------------------------------------- expert MLP
 
     def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: PoolInputs):
-        recipe = cfg.precision
+        recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         act = torch.empty(P, I, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
         act_scales = torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, self.row_align(cfg))
+            _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, align)
         else:
             h = _grouped_mm(pool.x, weights.w1.transpose(1, 2), plan.expert_ends)
         K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp)
         if recipe.quantized:
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, self.row_align(cfg))
+            _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, align)
         else:
             out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
     def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
-        recipe = cfg.precision
+        recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool_grad.device
         grad_h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
         grad_row_w = torch.empty(P, dtype=torch.float32, device=dev)
@@ -190,13 +191,13 @@ class TritonExecutor:
             grad_q_scales = torch.empty(P, H // 128, dtype=torch.float32, device=dev)
             K_.quantize_rows(pool_grad, grad_q, grad_q_scales, plan.num_rows)
             grad_act = torch.empty(P, I, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, self.row_align(cfg))
+            _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, align)
             grad_h_q = torch.empty(P, 2 * I, dtype=e4m3, device=dev)
             grad_h_scales = torch.empty(P, 2 * I // 128, dtype=torch.float32, device=dev)
             K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
                                weights.chunk, cfg.activation_clamp, grad_h_q, grad_h_scales)
             grad_x_rows = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, self.row_align(cfg))
+            _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, align)
         else:
             w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
             grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
@@ -204,8 +205,8 @@ class TritonExecutor:
                                weights.chunk, cfg.activation_clamp)
             grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
         if recipe.quantized_wgrad:
-            grad_w2 = _fp8_wgrad(pool_grad, None, state.act, state.act_scales, plan)
-            grad_w1 = _fp8_wgrad(grad_h, None, state.pool_x, state.pool_x_scales, plan)
+            grad_w2 = _fp8_wgrad(pool_grad, state.act, state.act_scales, plan)
+            grad_w1 = _fp8_wgrad(grad_h, state.pool_x, state.pool_x_scales, plan)
         else:
             act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
             grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
