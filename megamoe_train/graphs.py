@@ -132,7 +132,6 @@ class _Replay(torch.autograd.Function):
         graphed.topk_idx.copy_(topk_idx)
         graphed.fwd_graph.replay()
         ctx.graphed = graphed
-        ctx.mark_non_differentiable(topk_idx)
         return graphed.y.detach().clone()  # the static output is overwritten by the next replay
 
     @staticmethod
@@ -140,18 +139,14 @@ class _Replay(torch.autograd.Function):
         g: GraphedMegaMoE = ctx.graphed
         g.grad_y.copy_(grad_y)
         g.bwd_graph.replay()
-        grads = iter(g.grads)
-        out = []
-        for t in (g.x, g.topk_weights):
-            out.append(next(grads).clone() if t.requires_grad else None)
-        out.append(None)  # topk_idx
-        param_grads = []
-        for p in g.params:
-            if not p.requires_grad:
-                param_grads.append(None)
-                continue
-            grad = next(grads)
-            # Megatron's hook moves .grad into main_grad at once: hand over the static tensor
-            # (a fresh alias, which autograd adopts without a copy). Otherwise autograd copies it.
-            param_grads.append(grad.detach() if hasattr(p, "main_grad") else grad)
-        return (None, *out[:2], out[2], *param_grads)
+        grads = iter(g.grads)  # one per captured input that requires grad, in capture order
+
+        def take(t):
+            return next(grads) if t.requires_grad else None
+
+        grad_x, grad_tw = (None if d is None else d.clone() for d in (take(g.x), take(g.topk_weights)))
+        # Megatron's hook moves .grad into main_grad at once: hand over the static tensor (a fresh
+        # alias, which autograd adopts without a copy). Otherwise autograd copies it.
+        param_grads = [grad.detach() if grad is not None and hasattr(p, "main_grad") else grad
+                       for p, grad in ((p, take(p)) for p in g.params)]
+        return None, grad_x, grad_tw, None, *param_grads
