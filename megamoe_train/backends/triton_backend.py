@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import Plan
+from ..quant import dequantize_tokens_t
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights
 from . import cutlass_gemm
@@ -93,7 +94,7 @@ def _tokens_t(src, src_scales, plan: Plan):
     return data, scales
 
 
-def _fp8_wgrad(grad, act, act_scales, plan: Plan):
+def _fp8_wgrad(recipe, grad, act, act_scales, plan: Plan):
     """grad_w[e] = Qt(grad)_e^T Qt(act)_e over expert e's pool rows (docs/precision.md): bf16
     [E, C_grad, C_act]. CUTLASS where built; otherwise the same quantized operands dequantized
     through torch's grouped GEMM (rounded to bf16 on the way: an e4m3 value times an fp32 scale
@@ -104,8 +105,8 @@ def _fp8_wgrad(grad, act, act_scales, plan: Plan):
     if cutlass_gemm.available(grad.device):
         out = torch.empty(E, a_t.shape[0], b_t.shape[0], dtype=torch.bfloat16, device=grad.device)
         return cutlass_gemm.fp8_wgrad_grouped_gemm(a_t, a_s, b_t, b_s, plan.expert_ends, out)
-    deq = lambda t, s: (t.float().unflatten(1, (-1, WGRAD_BLOCK)) * s[..., None]).flatten(1).to(torch.bfloat16)  # noqa: E731
-    return _grouped_mm(deq(a_t, a_s), deq(b_t, b_s).t(), plan.expert_ends)
+    a, b = (dequantize_tokens_t(t, s, recipe).to(torch.bfloat16) for t, s in ((a_t, a_s), (b_t, b_s)))
+    return _grouped_mm(a, b.t(), plan.expert_ends)
 
 
 def _as_compute(data, scales, num_rows, dtype):
@@ -205,8 +206,8 @@ class TritonExecutor:
                                weights.chunk, cfg.activation_clamp)
             grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
         if recipe.quantized_wgrad:
-            grad_w2 = _fp8_wgrad(pool_grad, state.act, state.act_scales, plan)
-            grad_w1 = _fp8_wgrad(grad_h, state.pool_x, state.pool_x_scales, plan)
+            grad_w2 = _fp8_wgrad(recipe, pool_grad, state.act, state.act_scales, plan)
+            grad_w1 = _fp8_wgrad(recipe, grad_h, state.pool_x, state.pool_x_scales, plan)
         else:
             act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
             grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
