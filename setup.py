@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu", "csrc/cuda/fp8_wgrad_grouped_gemm.cu", "csrc/cuda/bf16_grouped_gemm.cu"]
+CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu", "csrc/cuda/fp8_wgrad_grouped_gemm.cu", "csrc/cuda/bf16_grouped_gemm.cu",
+                "csrc/cuda/bf16_wgrad_grouped_gemm.cu"]
 CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h", "csrc/cuda/grouped_gemm_impl.cuh"]
 # wgmma and setmaxnreg exist only on the arch-specific Hopper target.
 NVCC_FLAGS = [

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
-from .expert_math import shared_backward, shared_forward, store_act
+from .expert_math import shared_backward, shared_forward
 from .faults import describe_word
-from .plan import Plan, build_plan, owner_mask
+from .plan import Plan, owner_mask
 from .symm_buffer import SymmBuffer
 from .weights import ExpertWeights
 
@@ -111,7 +111,7 @@ def _raise_deferred(buf: SymmBuffer):
         _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
 
 
-def _publish(buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
+def _publish(executor, buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
     """Write this rank's inputs into its buffer; returns its verdict (int32 scalar, on the device)."""
     cfg = buf.config
     mine = buf.regions()
@@ -120,10 +120,7 @@ def _publish(buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tenso
         return torch.full((), STATUS_BAD, dtype=torch.int32, device=buf.device)
     n = x.shape[0]
     out_of_range = (topk_idx < -1) | (topk_idx >= cfg.num_experts)
-    data, scales = store_act(x, cfg.precision, cfg.dtype)
-    mine.x[:n].copy_(data)
-    if scales is not None:
-        mine.x_scales[:n].copy_(scales)
+    executor.store_inputs(cfg, x, mine.x[:n], mine.x_scales[:n] if cfg.precision.quantized else None)
     mine.topk_idx[:n].copy_(torch.where(out_of_range, -1, topk_idx))
     mine.topk_idx[n:].fill_(-1)
     mine.topk_weights[:n].copy_(topk_weights)
@@ -219,7 +216,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         _raise_deferred(buf)
 
     # 1-2. Publish, exchange verdicts and call names (the first barrier).
-    status, call, all_ok = _exchange_status(buf, _publish(buf, x, topk_idx, topk_weights, problem), layer_id)
+    status, call, all_ok = _exchange_status(buf, _publish(executor, buf, x, topk_idx, topk_weights, problem), layer_id)
     if sync:  # every rank reads the verdicts now and raises at the same point
         host_status = status.cpu()
         if problem is not None:
@@ -243,7 +240,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     # 3. Plan from every source's ids (a rejected call routes nothing).
     ids = torch.stack([buf.regions(s).topk_idx for s in range(R)])
     ids = torch.where(all_ok, ids, -1)
-    plan = build_plan(ids, me, E_l, executor.row_align(cfg))
+    plan = executor.build_plan(ids, me, E_l, executor.row_align(cfg))
     if recv_stats is not None:
         recv_stats += plan.expert_counts.to(recv_stats.device)
 

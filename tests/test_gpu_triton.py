@@ -253,3 +253,13 @@ def test_wgrad_quantize_tokens_t_kernel():
     from fp8_backward_checks import check_quantize_tokens_t
 
     poisoned(check_quantize_tokens_t, "cuda")
+
+
+def test_device_plan_tables():
+    """The device plan (backends/triton_plan.py) equals plan.build_plan table by table on CUDA:
+    random, skewed, one-expert and empty routings; aligns 1-128; K not a power of two."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from plan_kernel_checks import check_plan_tables
+
+    check_plan_tables("cuda")

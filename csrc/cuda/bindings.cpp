@@ -52,6 +52,15 @@ void fp8_wgrad_grouped_gemm(uintptr_t a_t, uintptr_t a_t_scales, uintptr_t b_t, 
                                                   variant, swizzle, workspace, workspace_bytes, stream, device)));
 }
 
+// a [p, m], b [p, n] (the pool operands), d fp32 [num_groups, m, n] accumulated into.
+void bf16_wgrad_grouped_gemm_accumulate(uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_ends, int num_groups,
+                                        int m, int n, int p, int variant, int swizzle, uintptr_t workspace,
+                                        size_t workspace_bytes, uintptr_t stream, int device) {
+  check("bf16_wgrad_grouped_gemm_accumulate",
+        megamoe::bf16_wgrad_grouped_gemm_accumulate(make_args(a, 0, b, 0, d, group_ends, num_groups, m, n, p, 0, variant,
+                                                              swizzle, workspace, workspace_bytes, stream, device)));
+}
+
 size_t bf16_workspace_bytes(int num_groups, int variant, int b_layout, int device) {
   return megamoe::bf16_grouped_gemm_workspace_bytes(num_groups, variant, static_cast<megamoe::BLayout>(b_layout), device);
 }
@@ -63,9 +72,12 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("FP8_VARIANTS") = megamoe::fp8_grouped_gemm_variants();
   m.attr("BF16_VARIANTS") = megamoe::bf16_grouped_gemm_variants();
   m.attr("FP8_WGRAD_VARIANTS") = megamoe::fp8_wgrad_grouped_gemm_variants();
+  m.attr("BF16_WGRAD_VARIANTS") = megamoe::bf16_wgrad_grouped_gemm_variants();
   m.def("fp8_grouped_gemm_workspace_bytes", &megamoe::fp8_grouped_gemm_workspace_bytes, py::arg("num_groups"),
         py::arg("variant"), py::arg("device"));
   m.def("fp8_wgrad_grouped_gemm_workspace_bytes", &megamoe::fp8_wgrad_grouped_gemm_workspace_bytes,
+        py::arg("num_groups"), py::arg("variant"), py::arg("device"));
+  m.def("bf16_wgrad_grouped_gemm_workspace_bytes", &megamoe::bf16_wgrad_grouped_gemm_workspace_bytes,
         py::arg("num_groups"), py::arg("variant"), py::arg("device"));
   m.def("bf16_grouped_gemm_workspace_bytes", &bf16_workspace_bytes, py::arg("num_groups"), py::arg("variant"),
         py::arg("b_layout"), py::arg("device"));
@@ -79,4 +91,8 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("b_t_scales"), py::arg("d"), py::arg("group_ends"), py::arg("num_groups"), py::arg("m"), py::arg("n"),
         py::arg("p"), py::arg("variant"), py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"), py::arg("device"));
+  m.def("bf16_wgrad_grouped_gemm_accumulate", &bf16_wgrad_grouped_gemm_accumulate, py::arg("a"), py::arg("b"),
+        py::arg("d"), py::arg("group_ends"), py::arg("num_groups"), py::arg("m"), py::arg("n"), py::arg("p"),
+        py::arg("variant"), py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+        py::arg("device"));
 }

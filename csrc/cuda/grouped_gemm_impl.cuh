@@ -73,19 +73,33 @@ struct StridedScalesMainloop : Base {
 
 // ElementAB: cutlass::float_e4m3_t (block-scaled) or cutlass::bfloat16_t.
 // LayoutB: ColumnMajor = B[g] stored [N, K] (K contiguous); RowMajor = stored [K, N].
-// Depth-grouped: e4m3 only, both operands K-major (what fp8 wgmma reads), 1x128 scales on both.
+// Depth-grouped, two kinds:
+// - fp8: both operands K-major (what fp8 wgmma reads), pool-transposed, 1x128 scales on both;
+//   bf16 D[g] is written;
+// - bf16 accumulating: both operands the pool itself ([P, M] and [P, N], M and N contiguous:
+//   LayoutA ColumnMajor, LayoutB RowMajor; 16-bit wgmma reads either major), and D[g] fp32 is
+//   accumulated into (D += A^T B: C is D, beta = 1), e.g. a parameter's fp32 main_grad.
 template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule,
-          GroupedDim kGroupedDim = GroupedDim::kRows>
+          GroupedDim kGroupedDim = GroupedDim::kRows, class LayoutA_ = cutlass::layout::RowMajor,
+          class ElementD_ = cutlass::bfloat16_t>
 struct GroupedGemm {
   using Element = ElementAB;
   static constexpr bool kBlockScaled = std::is_same_v<ElementAB, cutlass::float_e4m3_t>;
   static constexpr bool kDepthGrouped = kGroupedDim == GroupedDim::kDepth;
-  static_assert(!kDepthGrouped || (kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::ColumnMajor>),
-                "depth-grouped GEMMs are fp8 with both operands K-major");
+  static constexpr bool kAccumulate = std::is_same_v<ElementD_, float>;  // D += A @ B (C = D, beta = 1)
+  static_assert(!kDepthGrouped || (kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::ColumnMajor> &&
+                                   std::is_same_v<LayoutA_, cutlass::layout::RowMajor> && !kAccumulate) ||
+                    (!kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::RowMajor> &&
+                     std::is_same_v<LayoutA_, cutlass::layout::ColumnMajor> && kAccumulate),
+                "depth-grouped GEMMs: fp8 with both operands K-major, or bf16 pool operands accumulated into fp32");
+  static_assert(kDepthGrouped || (std::is_same_v<LayoutA_, cutlass::layout::RowMajor> && !kAccumulate),
+                "row-grouped GEMMs read A row-major and write bf16");
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-  using ElementD = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;
+  using ElementD = ElementD_;
+  using ElementC = std::conditional_t<kAccumulate, float, void>;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using LayoutA = LayoutA_;
   using LayoutB = LayoutB_;
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = TileShape_;
@@ -104,9 +118,9 @@ struct GroupedGemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, 8,  // no source operand (beta = 0)
-      ElementD, LayoutD*, 8, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
+      ElementC, LayoutD*, kAlignD,  // no source operand (beta = 0) unless accumulating into D
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>::CollectiveOp;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -115,7 +129,7 @@ struct GroupedGemm {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<kDepthGrouped, StridedScalesMainloop<BuiltMainloop>, BuiltMainloop>;
+  using Mainloop = std::conditional_t<kDepthGrouped && kBlockScaled, StridedScalesMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -187,9 +201,13 @@ struct GroupedGemm {
     } else {
       args.mainloop = {arr.a, arr.stride_a, arr.b, arr.stride_b};
     }
-    args.epilogue = {{}, nullptr, arr.stride_d, arr.d, arr.stride_d};
+    if constexpr (kAccumulate) {
+      args.epilogue = {{}, const_cast<const ElementD**>(arr.d), arr.stride_d, arr.d, arr.stride_d};
+    } else {
+      args.epilogue = {{}, nullptr, arr.stride_d, arr.d, arr.stride_d};
+    }
     args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.thread.beta = kAccumulate ? 1.0f : 0.0f;
     args.hw_info = hardware_info(device);
     args.scheduler.max_swizzle_size = swizzle;
     return args;
@@ -232,19 +250,31 @@ CUTE_HOST_DEVICE void fill_group_entry(typename G::GroupArrays const& arr, const
   int64_t end = group_ends[g];
   int64_t kb = k / kScaleBlock;
   typename G::StrideA sa{};
-  get<0>(sa) = k;  // A rows of K (depth-grouped: of P)
+  if constexpr (std::is_same_v<typename G::LayoutA, cutlass::layout::RowMajor>) {
+    get<0>(sa) = k;  // A rows of K (depth-grouped fp8: of P)
+  } else {
+    get<1>(sa) = m;  // depth-grouped bf16: A^T is the pool [P, M], M elements per k
+  }
   typename G::StrideB sb{};
   if constexpr (std::is_same_v<typename G::LayoutB, cutlass::layout::ColumnMajor>) {
     get<0>(sb) = k;  // B as [N, K]: step K elements per n
   } else {
-    get<1>(sb) = n;  // B[g] as [K, N]: step N elements per k
+    get<1>(sb) = n;  // B[g] as [K, N] (depth-grouped bf16: the pool [P, N]): step N elements per k
   }
   typename G::StrideD sd{};
   get<0>(sd) = n;
   arr.stride_a[g] = sa;
   arr.stride_b[g] = sb;
   arr.stride_d[g] = sd;
-  if constexpr (G::kDepthGrouped) {
+  if constexpr (G::kDepthGrouped && !G::kBlockScaled) {
+    // accumulating: a group with no rows (or a bad range) adds nothing, so it gets no tiles
+    bool live = start >= 0 && start < end && end <= k;
+    int64_t offset = live ? start : 0;
+    arr.shapes[g] = typename G::GroupShape(live ? m : 0, n, live ? static_cast<int>(end - start) : 0);
+    arr.a[g] = static_cast<const ElementAB*>(a) + offset * m;
+    arr.b[g] = static_cast<const ElementAB*>(b) + offset * n;
+    arr.d[g] = static_cast<typename G::ElementD*>(d) + static_cast<int64_t>(g) * m * n;
+  } else if constexpr (G::kDepthGrouped) {
     bool live = start < end && depth_range_valid(start, end, k);
     int depth = live ? static_cast<int>(end - start) : 0;
     arr.shapes[g] = typename G::GroupShape(live ? m : 0, n, depth);
@@ -307,14 +337,16 @@ __global__ void fill_skipped_groups(const int32_t* group_ends, int64_t group_ele
 }
 
 template <class ElementAB, class LayoutB, class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule,
-          GroupedDim kGroupedDim>
-const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, EpilogueSchedule, kGroupedDim>::run(
+          GroupedDim kGroupedDim, class LayoutA, class ElementD>
+const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, EpilogueSchedule, kGroupedDim, LayoutA,
+                        ElementD>::run(
     const GroupedGemmArgs& p) {
   using Self = GroupedGemm;
   if (p.num_groups <= 0) return "num_groups must be positive";
   if (kBlockScaled && (p.n % kScaleBlock || p.k % kScaleBlock)) return "N and K must be multiples of 128";
   if (p.n % kAlignAB || p.k % kAlignAB) return "N and K must be multiples of 16 bytes";
-  if (kDepthGrouped && (p.m <= 0 || p.m % kScaleBlock)) return "M must be a positive multiple of 128";
+  if (kDepthGrouped && kBlockScaled && (p.m <= 0 || p.m % kScaleBlock)) return "M must be a positive multiple of 128";
+  if (kDepthGrouped && !kBlockScaled && (p.m <= 0 || p.m % kAlignAB)) return "M must be a positive multiple of 16 bytes";
   if (kDepthGrouped && p.num_groups > 65535) return "at most 65535 groups";  // fill_skipped_groups' grid.y
   DeviceGuard guard(p.device);
   size_t arrays = 0;
@@ -326,7 +358,7 @@ const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, E
   constexpr int kThreads = 128;
   fill_group_arrays<Self><<<(p.num_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
       arr, p.group_ends, p.num_groups, p.m, p.n, p.k, p.a, p.a_scales, p.b, p.b_scales, p.d);
-  if constexpr (kDepthGrouped) {
+  if constexpr (kDepthGrouped && !kAccumulate) {
     // enough 16-byte stores per block to amortize its launch; at most 32 blocks per group
     int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
     constexpr int kFillThreads = 256, kChunksPerThread = 16;

@@ -6,7 +6,9 @@ stores bf16; rows past group_ends[-1] are left untouched.
 - fp8: a e4m3 with 1x128 scales, b e4m3 [G, N, K] with 128x128 scales (DeepSeek-V3's recipe);
 - bf16: b as [G, N, K] ("nk", the forward's x @ W^T) or [G, K, N] ("kn", the dgrad's dY @ W).
 Weight gradients (`fp8_wgrad_grouped_gemm`): the rows are the K of expert g's product of two
-pool-transposed operands, out[g] = a_t[:, rows] @ b_t[:, rows]^T, 1x128 scales on both.
+pool-transposed operands, out[g] = a_t[:, rows] @ b_t[:, rows]^T, 1x128 scales on both; and
+(`bf16_wgrad_grouped_gemm_accumulate`) out[g] += a[rows]^T @ b[rows] in fp32 from the bf16 pool
+operands as stored, e.g. into Megatron's fp32 main_grad.
 Group sizes are read on the device, so a call never syncs with the host and is capturable in a
 CUDA graph.
 
@@ -32,6 +34,7 @@ B_LAYOUTS = {"nk": 0, "kn": 1}
 FP8_DEFAULT = (0, 1)
 BF16_DEFAULT = (0, 1)
 FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
+BF16_WGRAD_DEFAULT = (0, 1)
 
 # (kind, device index, groups, variant, layout, stream) -> scratch for CUTLASS's per-group
 # argument arrays; per stream, so GEMMs queued on two streams never share one.
@@ -57,6 +60,8 @@ def _workspace(kind: str, device: torch.device, groups: int, variant: int, layou
             nbytes = _cuda.fp8_grouped_gemm_workspace_bytes(groups, variant, device.index)
         elif kind == "fp8_wgrad":
             nbytes = _cuda.fp8_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
+        elif kind == "bf16_wgrad":
+            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
         else:
             nbytes = _cuda.bf16_grouped_gemm_workspace_bytes(groups, variant, layout, device.index)
         ws = _WORKSPACES[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -178,5 +183,48 @@ def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, va
     _cuda.fp8_wgrad_grouped_gemm(
         a_t.data_ptr(), a_t_scales.data_ptr(), b_t.data_ptr(), b_t_scales.data_ptr(), out.data_ptr(),
         group_ends.data_ptr(), G, M, N, P, variant, swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+    )
+    return out
+
+
+def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):
+    """Expert weight gradients accumulated in fp32, one K-grouped GEMM: for each expert g with pool
+    rows [s, e) (s = group_ends[g-1] or 0, e = group_ends[g]),
+        out[g] += a[s:e]^T @ b[s:e]        (fp32 accumulation, added unrounded to out[g])
+
+    a bf16 [P, M] (the output gradients' pool rows), b bf16 [P, N] (the inputs' pool rows), both
+    as stored (M, N multiples of 8); group_ends int32 [G], nondecreasing, at most P; out fp32
+    [G, M, N] (e.g. a stacked expert weight's main_grad). An expert with no rows adds nothing;
+    group_ends is read on the device only, and a group whose range is not inside [0, P] is
+    skipped. Returns out."""
+    fn = "bf16_wgrad_grouped_gemm_accumulate"
+    if a.dim() != 2 or b.dim() != 2 or group_ends.dim() != 1 or out.dim() != 3:
+        raise ValueError(f"{fn}: a [P, M], b [P, N], group_ends [G] and out [G, M, N] expected, got shapes "
+                         f"{list(a.shape)}, {list(b.shape)}, {list(group_ends.shape)} and {list(out.shape)}")
+    (P, M), N, G = a.shape, b.shape[1], group_ends.shape[0]
+    if G == 0:
+        raise ValueError(f"{fn}: group_ends is empty (no experts)")
+    if M % 8 or N % 8:
+        raise ValueError(f"{fn}: M={M} and N={N} must be multiples of 8 (16-byte rows)")
+    dev = a.device
+    _check(fn, "a", a, torch.bfloat16, (P, M), dev)
+    _check(fn, "b", b, torch.bfloat16, (P, N), dev)
+    _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
+    _check(fn, "out", out, torch.float32, (G, M, N), dev)
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
+    if dev.type != "cuda":
+        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
+    _require_extension(fn)
+    variant = BF16_WGRAD_DEFAULT[0] if variant is None else variant
+    swizzle = BF16_WGRAD_DEFAULT[1] if swizzle is None else swizzle
+    if not 0 <= variant < _cuda.BF16_WGRAD_VARIANTS:
+        raise ValueError(f"{fn}: variant must be in [0, {_cuda.BF16_WGRAD_VARIANTS}), got {variant}")
+    stream = torch.cuda.current_stream(dev)
+    ws = _workspace("bf16_wgrad", dev, G, variant, 0, stream)
+    _cuda.bf16_wgrad_grouped_gemm_accumulate(
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, variant, swizzle,
+        ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
     )
     return out

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..expert_math import store_act, swiglu, swiglu_backward
-from ..plan import Plan
+from ..plan import Plan, build_plan
 from ..quant import dequantize_act, fake_quantize_grad, fake_quantize_tokens
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights, deinterleave_gate_up
@@ -84,7 +84,17 @@ class ReferenceExecutor:
     def shared_dtype(self, cfg) -> torch.dtype:
         return torch.float32
 
-    # --------------------------------------------------------------------- row movement
+    # --------------------------------------------------------------------- plan and row movement
+
+    def build_plan(self, ids: torch.Tensor, owner: int, experts_per_rank: int, align: int) -> Plan:
+        return build_plan(ids, owner, experts_per_rank, align)
+
+    def store_inputs(self, cfg, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None):
+        """This rank's input rows as peers pull them (the recipe's storage) into its buffer."""
+        stored, stored_scales = store_act(x, cfg.precision, cfg.dtype)
+        data.copy_(stored)
+        if scales is not None:
+            scales.copy_(stored_scales)
 
     def _read_rows(self, buf: SymmBuffer, src: int, field: str, tokens: torch.Tensor) -> torch.Tensor:
         """Rows `tokens` of region `field` in rank src's buffer (every read of a peer goes here)."""

@@ -38,6 +38,7 @@ from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights
 from . import cutlass_gemm
 from . import triton_kernels as K_
+from . import triton_plan
 
 BF16_GROUP_ALIGN = 16
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
@@ -134,7 +135,20 @@ class TritonExecutor:
     def shared_dtype(self, cfg) -> torch.dtype:
         return cfg.dtype
 
-    # --------------------------------------------------------------------- row movement
+    # --------------------------------------------------------------------- plan and row movement
+
+    def build_plan(self, ids: torch.Tensor, owner: int, experts_per_rank: int, align: int) -> Plan:
+        return triton_plan.build_plan(ids, owner, experts_per_rank, align)  # plan.py's tables, on the device
+
+    def store_inputs(self, cfg, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None):
+        """The recipe's storage of the input rows (quant.quantize_act bit for bit) in one kernel."""
+        if scales is None:
+            data.copy_(x)
+            return
+        if x.shape[0] == 0:
+            return
+        num_rows = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        K_.quantize_rows(x.contiguous(), data, scales, num_rows)
 
     def _pull(self, buf: SymmBuffer, name: str, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
         region = buf.layout.regions[name]
