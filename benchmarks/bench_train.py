@@ -28,12 +28,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# name -> (moe.megamoe_recipe, extra recipe settings); "-graph": MoE layers replayed from CUDA graphs
+# name -> (moe.megamoe_recipe, extra recipe settings); "-graph": MoE layers replayed from CUDA graphs;
+# "-unfused": expert wgrads returned as .grad and added into main_grad by DDP's hook
+_UNFUSED = "moe.megamoe_fuse_wgrad_accumulation=false"
 VARIANTS = {
     "bf16": ("bf16", []),
     "fp8": ("fp8", []),
-    "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
-    "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true"]),
+    "bf16-unfused": ("bf16", [_UNFUSED]),
+    "fp8-unfused": ("fp8", [_UNFUSED]),
+    "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
+    "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
     "stock": (None, []),
 }
 

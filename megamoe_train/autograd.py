@@ -14,12 +14,14 @@ class MegaMoEFunction(torch.autograd.Function):
     """Forward and backward each run one pass of the backend's protocol over the buffer."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats, layer_id):
+    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats, layer_id,
+                fuse_wgrad_accumulation):
         weights = transform_weights(w1, w2, buffer.config)
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
         y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id)
         ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
         ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
+        ctx.fused_weights = (w1, w2) if fuse_wgrad_accumulation else None
         ctx.mark_non_differentiable(topk_idx)
         return y
 
@@ -27,11 +29,15 @@ class MegaMoEFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         buffer = ctx.buffer
         grad_y = grad_y.to(buffer.config.dtype).contiguous()
+        fused = ctx.fused_weights
         grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
-            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared
+            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared,
+            wgrad_accumulators=None if fused is None else (fused[0].main_grad, fused[1].main_grad),
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
-        ctx.saved = None
+        ctx.saved = ctx.fused_weights = None
+        if fused is not None:  # added into main_grad already: Megatron's convention for that
+            grad_w1, grad_w2 = (_placeholder_grad(w) for w in fused)
         return (
             grad_x,
             None,
@@ -44,7 +50,17 @@ class MegaMoEFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+    """The gradient returned for a weight whose gradient went into weight.main_grad: Megatron's
+    (and Transformer Engine's) convention: grad_added_to_main_grad = True tells the gradient hook
+    not to add .grad again, so .grad is left uninitialized (zeros if zero_out_wgrad is set)."""
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def mega_moe(
@@ -60,6 +76,7 @@ def mega_moe(
     recv_stats: torch.Tensor | None = None,
     backend: str = "auto",
     layer_id: int = 0,
+    fuse_wgrad_accumulation: bool = False,
 ) -> torch.Tensor:
     """Expert-parallel MoE over the group of `buffer`: dispatch by pull, two expert GEMMs with
     SwiGLU, combine by push.
@@ -71,12 +88,20 @@ def mega_moe(
     Differentiable in x, topk_weights, w1, w2 and the shared weights. recv_stats (int64 [E_local])
     is increased by the rows each local expert received. Collective: every rank of the group calls
     it; bad input on any rank raises MegaMoEInputError on every rank.
+
+    fuse_wgrad_accumulation (Megatron's and Transformer Engine's gradient-accumulation fusion):
+    w1 and w2 carry a `main_grad` accumulator of their shape (Megatron DDP's, usually fp32); the
+    backward adds the expert weight gradients into it (in the wgrad GEMM's epilogue on the GPU
+    backend) and sets `grad_added_to_main_grad = True` on the weight, whose .grad is then a
+    placeholder that Megatron's gradient hook discards.
     """
     buffer.check_usable()  # first: after a device barrier's trap this names the rank and call, not a CUDA error
     be: Backend = resolve_backend(backend, buffer)
     problem = check_inputs(
-        buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device
+        buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
     )
     if problem is not None:  # still take part in the status exchange so peers fail too
         be.forward(buffer, None, None, None, None, None, None, problem, layer_id)
-    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats, layer_id)
+    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats, layer_id,
+                                 fuse_wgrad_accumulation)

@@ -30,7 +30,8 @@ def _check_tensor(name, t, shape, dtypes, device) -> str | None:
 
 
 def check_inputs(
-    buffer: SymmBuffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids: bool = True
+    buffer: SymmBuffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids: bool = True,
+    fuse_wgrad_accumulation: bool = False,
 ) -> str | None:
     """First problem with this rank's inputs, or None. check_ids reads topk_idx on the host."""
     cfg = buffer.config
@@ -58,6 +59,12 @@ def check_inputs(
         return "shared_w1/shared_w2: given, but the config has num_shared_experts=0"
     if recv_stats is not None:
         checks.append(("recv_stats", recv_stats, (E_l,), (torch.int64,)))
+    if fuse_wgrad_accumulation:  # the gradient accumulators the backward adds into
+        for name, w, shape in (("w1", w1, (E_l, 2 * I, H)), ("w2", w2, (E_l, H, I))):
+            grad_acc = getattr(w, "main_grad", None)
+            if grad_acc is None:
+                return f"{name}: fuse_wgrad_accumulation needs a main_grad attribute (the gradient accumulator) on the weight"
+            checks.append((f"{name}.main_grad", grad_acc, shape, floats))
     for name, t, shape, dtypes in checks:
         problem = _check_tensor(name, t, shape, dtypes, dev)
         if problem:

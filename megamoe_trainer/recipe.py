@@ -92,6 +92,8 @@ class MoESection:
     megamoe_recipe: Optional[str] = "bf16"  # None = stock Megatron MoE; else one of MEGAMOE_RECIPES
     megamoe_backend: str = "auto"
     megamoe_cuda_graph: bool = False  # replay each MoE layer's call from a CUDA graph (CUDA only; megamoe_train.graphs)
+    # expert wgrads added into DDP's main_grad by the wgrad GEMM (no separate main_grad += grad pass)
+    megamoe_fuse_wgrad_accumulation: bool = True
     max_tokens_per_rank: Optional[int] = None  # MegaMoE buffer size; None = micro_batch * seq_length
 
 
@@ -385,6 +387,8 @@ def validate(recipe: Recipe) -> Recipe:
                               f"(train.micro_batch_size * model.seq_length = {t.micro_batch_size * m.seq_length})")
         if moe.megamoe_cuda_graph and recipe.parallel.device != "cuda":
             raise RecipeError("moe.megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
+        if moe.megamoe_cuda_graph and moe.megamoe_fuse_wgrad_accumulation:
+            raise RecipeError("moe.megamoe_fuse_wgrad_accumulation", "cannot be combined with moe.megamoe_cuda_graph; set it false")
         _check_megamoe_shapes(recipe)
 
     # data

@@ -47,12 +47,19 @@ class MegaMoETransformerConfig(TransformerConfig):
       of ~100 kernels and ops per call. Needs CUDA, the stacked expert parameters (the default
       MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer and
       no pipeline parallelism (one forward in flight per layer).
+    moe_megamoe_fuse_wgrad_accumulation: the expert weight gradients go straight into the stacked
+      parameters' `main_grad` (Megatron DDP's accumulator), added in the wgrad GEMM's epilogue on
+      the GPU backend, and `grad_added_to_main_grad` tells DDP's hook to skip its own add (the
+      convention of Megatron's gradient_accumulation_fusion, which needs APEX for dense layers;
+      this one covers the MegaMoE experts only). Needs Megatron DDP (main_grad on the weights),
+      the stacked expert parameters and no moe_megamoe_cuda_graph.
     """
 
     moe_megamoe_recipe: Optional[str] = None
     moe_megamoe_backend: str = "auto"
     moe_megamoe_max_tokens_per_rank: Optional[int] = None
     moe_megamoe_cuda_graph: bool = False
+    moe_megamoe_fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -156,6 +163,8 @@ def validate_megamoe(config) -> None:
             bad("moe_megamoe_cuda_graph", "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)")
         if _get(config, "recompute_granularity") is not None:
             bad("moe_megamoe_cuda_graph", f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})")
+    if _get(config, "moe_megamoe_fuse_wgrad_accumulation") and _get(config, "moe_megamoe_cuda_graph"):
+        bad("moe_megamoe_fuse_wgrad_accumulation", "cannot be combined with moe_megamoe_cuda_graph (a graph replays its own gradient hand-over)")
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
         bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
 

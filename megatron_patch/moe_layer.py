@@ -101,6 +101,10 @@ class MegaMoECall:
                 self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
                                               layer_id=self.layer_id, **shared)
             return self.graphed(x, topk_idx, topk_weights, recv_stats)
+        # Gradient-accumulation fusion where the weights are DDP's stacked parameters (main_grad
+        # set); the megakernel backend's per-forward stack has no accumulator of its own.
+        fuse = (getattr(self.config, "moe_megamoe_fuse_wgrad_accumulation", False) and isinstance(self.experts, MegaMoEExperts)
+                and hasattr(w1, "main_grad") and hasattr(w2, "main_grad"))
         return mega_moe(
             x,
             topk_idx,
@@ -111,6 +115,7 @@ class MegaMoECall:
             recv_stats=recv_stats,
             backend=self.config.moe_megamoe_backend,
             layer_id=self.layer_id,
+            fuse_wgrad_accumulation=fuse,
             **shared,
         )
 

@@ -300,3 +300,65 @@ def buffer_config_mismatch(rank, world):
 
 def test_config_mismatch_and_buffer_cache(rank_pools):
     rank_pools(2).run(buffer_config_mismatch)
+
+
+# ----------------------------------------------------------------------------- gradient-accumulation fusion
+
+
+def fused_wgrad_accumulation(rank, world, cfg_kwargs, seed, tol=0.0):
+    """fuse_wgrad_accumulation=True adds the expert weight gradients into w.main_grad (random
+    start values), flags grad_added_to_main_grad, and leaves every other gradient as an unfused
+    call computes it. tol=0: main_grad - start equals the unfused gradient bit for bit (the
+    reference executor adds the same fp32 tensor); else within tol (the GPU epilogue adds the
+    fp32 product where the unfused path rounds the gradient to the weight's dtype first)."""
+    cfg = MegaMoEConfig(**cfg_kwargs)
+    prob = make_problem(cfg, world, [37, 21, 40, 8][:world], seed)
+    E_l = cfg.num_experts // world
+    mine = slice(rank * E_l, (rank + 1) * E_l)
+    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
+    dev = buf.device
+    leaf = lambda t: t.clone().to(dev, cfg.dtype).requires_grad_()
+    x, tw = leaf(prob["x"][rank]), prob["w"][rank].clone().to(dev).requires_grad_()
+    w1, w2 = leaf(prob["w1"][mine]), leaf(prob["w2"][mine])
+    idx, gy = prob["idx"][rank].to(dev), prob["gy"][rank].to(dev)
+    g = torch.Generator().manual_seed(seed + 1)
+    start = [torch.randn(w.shape, generator=g).to(dev) for w in (w1, w2)]
+
+    def run(fuse):
+        y = mega_moe(x, idx, tw, w1, w2, buf, fuse_wgrad_accumulation=fuse)
+        (y.float() * gy.float()).sum().backward()
+        grads = [t.grad.clone() for t in (x, tw, w1, w2)]
+        for t in (x, tw, w1, w2):
+            t.grad = None
+        return y.detach(), grads
+
+    y_ref, (gx_ref, gtw_ref, gw1_ref, gw2_ref) = run(False)
+    w1.main_grad, w2.main_grad = start[0].clone(), start[1].clone()
+    y, (gx, gtw, _, _) = run(True)
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref) and torch.equal(gtw, gtw_ref)
+    for name, w, s, ref in (("w1", w1, start[0], gw1_ref), ("w2", w2, start[1], gw2_ref)):
+        assert w.grad_added_to_main_grad is True, name
+        added = w.main_grad - s
+        if tol == 0.0:
+            assert torch.equal(w.main_grad, s + ref.float()), name
+        else:
+            assert rel_err(added, ref.float()) < tol, (name, rel_err(added, ref.float()))
+
+    # A weight without an accumulator is bad input: every rank raises, nothing is added anywhere.
+    before = w2.main_grad.clone()
+    if rank == world - 1:
+        del w1.main_grad
+    with pytest.raises(MegaMoEInputError) as err:
+        mega_moe(x, idx, tw, w1, w2, buf, fuse_wgrad_accumulation=True)
+    expected = "needs a main_grad attribute" if rank == world - 1 else "rejected"
+    assert expected in str(err.value), str(err.value)
+    assert torch.equal(w2.main_grad, before)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_wgrad_accumulation(rank_pools, world):
+    cfg = dict(BASE)
+    rank_pools(world).run(fused_wgrad_accumulation, cfg, 31)
+    # bf16 weights: the unfused gradient is the fp32 one rounded to bf16
+    rank_pools(world).run(fused_wgrad_accumulation, dict(cfg, recipe="fp8", dtype=torch.bfloat16, hidden=128,
+                                                         intermediate=128, block_m=128), 32, tol=1e-2)

@@ -183,9 +183,11 @@ class ReferenceExecutor:
             out_rows[rows] = (a_in @ w2[e].t()).to(cfg.dtype)
         return out_rows, ExpertState(pool, pre_act)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor,
+                         wgrad_accumulators=None):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
-        on the dequantized weights; fc1 and dH in master order [gate; up]."""
+        on the dequantized weights; fc1 and dH in master order [gate; up]. With wgrad_accumulators
+        (w1's, w2's) the weight gradients are added into them and None is returned for both."""
         recipe = cfg.precision
         w1 = deinterleave_gate_up(weights.dequantize_w1(), weights.chunk)
         w2 = weights.dequantize_w2()
@@ -209,4 +211,8 @@ class ReferenceExecutor:
             # L1 wgrad; a quantized wgrad reads dH as the executor keeps it, in config.dtype
             grad_h_w = grad_h.to(cfg.dtype) if recipe.quantized_wgrad else grad_h
             grad_w1[e] = _wgrad(grad_h_w, x_in, recipe)
+        if wgrad_accumulators is not None:
+            wgrad_accumulators[0].add_(grad_w1)
+            wgrad_accumulators[1].add_(grad_w2)
+            return dx_rows, dw_rows, None, None
         return dx_rows, dw_rows, grad_w1, grad_w2

@@ -110,6 +110,15 @@ def _fp8_wgrad(recipe, grad, act, act_scales, plan: Plan):
     return _grouped_mm(a, b.t(), plan.expert_ends)
 
 
+def _wgrad_into(accumulator, grad, inputs, plan: Plan):
+    """accumulator[e] += grad[rows of e]^T @ inputs[rows of e]: in the CUTLASS GEMM's epilogue
+    (fp32, unrounded) where built and the accumulator is fp32; else torch's grouped GEMM, then an add."""
+    if accumulator.dtype == torch.float32 and accumulator.is_contiguous() and cutlass_gemm.available(grad.device):
+        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
+    else:
+        accumulator.add_(_grouped_mm(grad.t(), inputs, plan.expert_ends))
+
+
 def _as_compute(data, scales, num_rows, dtype):
     """Stored activations as `dtype` values for the backward GEMMs (fp8: dequantized)."""
     if scales is None:
@@ -195,7 +204,8 @@ class TritonExecutor:
             out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor):
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor,
+                         wgrad_accumulators=None):
         recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool_grad.device
         grad_h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
@@ -222,6 +232,16 @@ class TritonExecutor:
         if recipe.quantized_wgrad:
             grad_w2 = _fp8_wgrad(recipe, pool_grad, state.act, state.act_scales, plan)
             grad_w1 = _fp8_wgrad(recipe, grad_h, state.pool_x, state.pool_x_scales, plan)
+            if wgrad_accumulators is not None:
+                wgrad_accumulators[0].add_(grad_w1)
+                wgrad_accumulators[1].add_(grad_w2)
+                grad_w1 = grad_w2 = None
+        elif wgrad_accumulators is not None:  # added into the accumulators in the GEMM epilogue
+            act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
+            _wgrad_into(wgrad_accumulators[1], pool_grad, act, plan)
+            x_in = _as_compute(state.pool_x, state.pool_x_scales, plan.num_rows, cfg.dtype)
+            _wgrad_into(wgrad_accumulators[0], grad_h, x_in, plan)
+            grad_w1 = grad_w2 = None
         else:
             act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
             grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)

@@ -238,3 +238,20 @@ def test_deepseek_proxy_features_train_on_cpu(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     assert len(records[0]["expert_load"]) == 1 and len(records[0]["expert_load"][0]) == 16
     assert not os.path.exists(str(tmp_path / "ds" / "checkpoints"))
+
+
+def test_fused_wgrad_accumulation_matches_ddp_accumulation(tmp_path):
+    """moe.megamoe_fuse_wgrad_accumulation (the default) adds the expert wgrads into DDP's main_grad
+    in the backward and DDP's hook skips its own add: the steps match the unfused run (gradient
+    norm and loss; a double or a missing add would change the norm), over two micro-batches."""
+    runs = {}
+    for name, fuse in (("fused", "true"), ("unfused", "false")):
+        run = str(tmp_path / name)
+        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
+                                   "--set", "train.micro_batch_size=2", "--set", "train.grad_accum_steps=2",
+                                   "--set", f"moe.megamoe_fuse_wgrad_accumulation={fuse}", "--set", "run.checkpoint=false"])
+        assert code == 0, out + err
+        runs[name] = _metrics(run)
+    for a, b in zip(runs["fused"], runs["unfused"]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
