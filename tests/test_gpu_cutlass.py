@@ -300,3 +300,108 @@ def test_wgrad_rejects_bad_operands():
         cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, shifted)
     with pytest.raises(ValueError, match="variant"):
         cutlass_gemm.fp8_wgrad_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant=99)
+
+
+# ----------------------------------------------------------------------------- bf16 wgrad into fp32
+
+ACC_VARIANTS = range(getattr(cutlass_gemm._cuda, "BF16_WGRAD_VARIANTS", 1))
+
+
+def make_acc_case(sizes, m, n, tail=48, seed=0):
+    """Pool operands a [P, m], b [P, n] (bf16, as stored) over expert groups of `sizes` rows (any
+    multiple of 16: the bf16 pool's alignment) with `tail` NaN rows past the last end (reading
+    them would show), columns of very different magnitude, and a random fp32 accumulator
+    [G, m, n] inside a buffer whose first and last slabs hold 7.0."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = torch.device("cuda", 0)
+    ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    live = int(sum(sizes))
+    a = (torch.randn(live + tail, m, device=dev, generator=gen) * torch.logspace(-1, 1, m, device=dev)).to(torch.bfloat16)
+    b = (torch.randn(live + tail, n, device=dev, generator=gen) * torch.logspace(1, -1, n, device=dev)).to(torch.bfloat16)
+    a[live:] = float("nan")
+    b[live:] = float("nan")
+    full = torch.full((len(sizes) + 2, m, n), 7.0, device=dev)
+    full[1:-1] = torch.randn(len(sizes), m, n, device=dev, generator=gen)
+    return a, b, ends, full, full[1:-1]
+
+
+def acc_reference(start, a, b, ends):
+    """start[g] + a[rows]^T b[rows] in float64."""
+    out, s = start.double().clone(), 0
+    for g, e in enumerate(ends.tolist()):
+        out[g] += a[s:e].double().t() @ b[s:e].double()
+        s = e
+    return out
+
+
+def check_acc(out, full, start, ref, ends):
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    assert (full[0] == 7.0).all() and (full[-1] == 7.0).all(), "wrote outside out"
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(out[g], start[g]), f"empty expert {g} must be left as it was"
+            continue
+        assert not torch.isnan(out[g]).any(), f"expert {g} read the NaN tail"
+        added, want = out[g].double() - start[g].double(), ref[g] - start[g].double()
+        diff = added - want  # fp32 accumulation of bf16 products: ~1e-6 relative
+        assert float(diff.norm() / want.norm()) < 1e-5, f"expert {g}"
+        assert float((diff.norm(dim=1) / want.norm(dim=1)).max()) < 1e-4, f"expert {g}: a row is off"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("variant", ACC_VARIANTS)
+@pytest.mark.parametrize(
+    "sizes,m,n",
+    [
+        ([48, 0, 16, 512, 256, 0, 1040, 128], 256, 384),  # skewed, empty, 16-row groups, ragged last K tile
+        ([0, 256, 112, 0, 640, 384, 128, 256, 0, 512], 1024, 512),  # W1-like (M = 2I), first expert empty
+        ([4096, 2048], 512, 2048),  # deep groups (64 and 32 K steps)
+        ([(g % 3) * 16 for g in range(130)], 128, 128),  # many small experts
+    ],
+)
+def test_bf16_wgrad_accumulates_into_fp32(sizes, m, n, variant):
+    a, b, ends, full, out = make_acc_case(sizes, m, n, seed=len(sizes) + variant)
+    start = out.clone()
+    cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, out, variant=variant)
+    torch.cuda.synchronize()
+    ref = acc_reference(start, a, b, ends)
+    check_acc(out, full, start, ref, ends)
+    # bitwise repeatable: the same start, the same result
+    again = start.clone()
+    cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, again, variant=variant)
+    assert torch.equal(out, again), "not bitwise repeatable"
+
+
+@needs_cutlass
+def test_bf16_wgrad_accumulate_graph_replay_and_bad_ends():
+    m, n = 256, 256
+    a, b, ends, full, out = make_acc_case([256, 0, 256, 256], m, n, seed=9)
+    start = out.clone()
+    graph = captured(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, out))
+    # new sizes, same tensors: the replay follows them
+    ends.copy_(torch.tensor([128, 384, 384, 768], device=a.device, dtype=torch.int32))
+    out.copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_acc(out, full, start, acc_reference(start, a, b, ends), ends)
+    # a range past the pool is skipped (left as it was), the others right, no fault
+    p = a.shape[0]
+    bad = torch.tensor([256, 256, p + 16, p + 32], dtype=torch.int32, device=a.device)
+    out.copy_(start)
+    cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, bad, out)
+    torch.cuda.synchronize()
+    check_acc(out[:2], full, start[:2], acc_reference(start[:2], a, b, bad[:2]), bad[:2])
+    assert torch.equal(out[2:], start[2:])
+
+
+@needs_cutlass
+def test_bf16_wgrad_accumulate_rejects_bad_operands():
+    a, b, ends, full, out = make_acc_case([128, 256], 256, 256)
+    with pytest.raises(ValueError, match="out must"):
+        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, out.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="b must"):
+        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b.float(), ends, out)
+    with pytest.raises(ValueError, match="group_ends"):
+        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends.long(), out)
+    with pytest.raises(ValueError, match="a must"):
+        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a.t(), b, ends, out)

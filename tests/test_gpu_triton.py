@@ -263,3 +263,15 @@ def test_device_plan_tables():
     from plan_kernel_checks import check_plan_tables
 
     check_plan_tables("cuda")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_e4m3_wgrad"])
+def test_triton_fused_wgrad_accumulation(rank_pools, world, recipe):
+    """fuse_wgrad_accumulation on the GPU executor: expert wgrads added into fp32 main_grad by
+    the CUTLASS epilogue (fp8_e4m3_wgrad: its fp8 GEMM, then an add); every other output and
+    gradient bitwise as unfused; a missing accumulator rejected on every rank."""
+    from test_mega_moe_dist import fused_wgrad_accumulation
+
+    cfg = dict(TRITON_BASE, recipe=recipe)
+    rank_pools(world, "nccl").run(fused_wgrad_accumulation, cfg, 51, tol=1e-2)
