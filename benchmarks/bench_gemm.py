@@ -2,7 +2,7 @@
 variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
 with the measured peaks.
 
-  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad]
+  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad,wgrad_acc]
 
 Per layer shape (bench_layer.SHAPES, plus "proxy", the DeepSeek-V3 training proxy) the rank's
 pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 rows.
@@ -12,6 +12,11 @@ pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 ro
   pool rows; our fp8 kernel (cutlass_gemm.fp8_wgrad_grouped_gemm, every variant and swizzle) vs
   torch._grouped_mm bf16 2-D x 2-D with offs (what the executor runs now). TFLOP/s count
   2*M*N*rows; next to the FLOPs floor the output floor: G*M*N*2 bytes at the measured write rate.
+- wgrad_acc (the same two wgrads, accumulated into an fp32 main_grad [G, M, N], as a training step
+  with gradient-accumulation fusion does): our bf16 CUTLASS GEMM adding in its epilogue
+  (cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, every variant) vs torch._grouped_mm bf16 then
+  main_grad.add_ (what DDP's hook does without the fusion). Floors: FLOPs at the bf16 peak, and the
+  accumulator's fp32 read + write (8 bytes per element) at the measured write rate.
 Peaks: torch.mm bf16 and torch._scaled_mm fp8 (row-wise scales) at 8192^3, and the HBM write rate
 (zero_ of 4 GiB), same run.
 """
@@ -145,11 +150,33 @@ def wgrad_case(groups, rows_per_group, m, n, dev):
     return times, errors
 
 
+def wgrad_acc_case(groups, rows_per_group, m, n, dev):
+    """main_grad[g] += A[rows of g]^T @ B[rows of g]: fused (every variant) vs torch + add_."""
+    p = groups * rows_per_group
+    ends = (torch.arange(1, groups + 1, device=dev) * rows_per_group).to(torch.int32)
+    a = torch.randn(p, m, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(p, n, device=dev, dtype=torch.bfloat16)
+    main_grad = torch.zeros(groups, m, n, device=dev)
+    times, errors = {}, {}
+    ref = torch._grouped_mm(a.t(), b, offs=ends).float()
+    if cutlass_gemm.available(dev):
+        for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
+            label = f"cutlass_acc v{variant}"
+            main_grad.zero_()
+            cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, main_grad, variant)
+            errors[label] = float((main_grad - ref).norm() / ref.norm())
+            times[label] = bench(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, main_grad, variant))
+    del ref
+    times["torch_bf16+add"] = bench(lambda: main_grad.add_(torch._grouped_mm(a.t(), b, offs=ends)))
+    return times, errors
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="S1,S2,S3,S4")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks the shape is split over")
-    p.add_argument("--gemms", default="fwd,wgrad", help="fwd (forward and dgrad GEMMs), wgrad (weight gradients)")
+    p.add_argument("--gemms", default="fwd,wgrad,wgrad_acc",
+                   help="fwd (forward and dgrad GEMMs), wgrad (weight gradients), wgrad_acc (accumulated into fp32)")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     bf16_peak, fp8_peak, write_gbs = peaks(dev)
@@ -200,6 +227,25 @@ def main():
                 print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
                       f"{best(times, 'torch_bf16', tf)} | {speedup} | {flops / fp8_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
                 details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+                torch.cuda.empty_cache()
+    if "wgrad_acc" in gemms:
+        print("\n| shape | wgrad into fp32 main_grad | G x M x N, rows per expert | CUTLASS fused ms (TF/s) best | "
+              "torch bf16 + add_ ms | speedup | bf16 FLOPs floor ms | main_grad r+w floor ms |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for shape in args.shapes.split(","):
+            E, topk, H, I, T = SHAPES[shape]
+            groups = E // args.ep
+            rows = max(128, -(-T * topk // groups // 128) * 128)
+            for name, m, n in (("W2 grad", H, I), ("W1 grad", 2 * I, H)):
+                times, errors = wgrad_acc_case(groups, rows, m, n, dev)
+                flops = 2.0 * groups * rows * m * n
+                tf = lambda ms: flops / ms / 1e9  # noqa: E731
+                ours = min((v for key, v in times.items() if key.startswith("cutlass_acc")), default=None)
+                speedup = f"{times['torch_bf16+add'] / ours:.2f}x" if ours else "-"
+                print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
+                      f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
+                      f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
+                details.append(f"{shape} {name} acc: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
                 torch.cuda.empty_cache()
     print("\n# every configuration (ms, relative error against the float product of the same operands)")
     print("\n".join(details))

@@ -104,11 +104,12 @@ def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict
     quiet()
     import torch
 
-    from megamoe_train.launch import init_rank
+    from megamoe_train.launch import exit_finished_rank, init_rank
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_rank(rank, world, port, backend)
     _rank_main(rank, world, recipe_dict, run_dir, resume)
+    exit_finished_rank()  # outputs are written; no interpreter teardown (launch.exit_finished_rank)
 
 
 def _launch(recipe: Recipe, device: str, run_dir: str, resume: bool) -> int:
