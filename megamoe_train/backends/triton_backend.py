@@ -1,5 +1,7 @@
 """The GPU executor of the protocol (protocol.py): Triton row movement and grouped GEMMs.
 
+- plan and input storage: the plan's tables in three Triton launches (triton_plan.py, plan.py's
+  bits); the fp8 recipe's input rows quantized straight into the buffer (quantize_rows);
 - pull: one Triton kernel reads each received (source, token) row once over NVLink (x, its
   fp8 scales, its topk weights; dY in backward) and writes it into every pool row of its slots;
 - expert MLP: L1 grouped GEMM -> fused clamp/SwiGLU/topk weight (/e4m3 requantization) -> L2
@@ -8,7 +10,8 @@
   the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized after the pull, dH by the SwiGLU
   backward, both e4m3 with 1x128 scales, against the transposed quantized weights
   ExpertWeights.w2_t / w1_t); the wgrads bf16 (fp32 accumulation) on the dequantized stored
-  activations and the unquantized gradients, except with recipe fp8_e4m3_wgrad: dY, dH and the
+  activations and the unquantized gradients (with fuse_wgrad_accumulation: added into the fp32
+  accumulators by the CUTLASS GEMM's epilogue), except with recipe fp8_e4m3_wgrad: dY, dH and the
   stored activations each quantized along the pool rows in 128-row blocks by quantize_tokens_t,
   transposed, into the CUTLASS K-grouped fp8 GEMM (each expert padded to 128 pool rows so no
   block spans two; measured slower than bf16, NOTES.md); with bf16 every backward GEMM is bf16;
