@@ -59,6 +59,39 @@ def test_wgrad_rejects_bad_operands_before_touching_a_device(args, message):
         cutlass_gemm.fp8_wgrad_grouped_gemm(*args)
 
 
+def acc_operands(m=256, n=384, p=1040, groups=4):
+    a = torch.zeros(p, m, dtype=torch.bfloat16)
+    b = torch.zeros(p, n, dtype=torch.bfloat16)
+    ends = torch.tensor([256, 256, 640, 1040][:groups], dtype=torch.int32)
+    return [a, b, ends, torch.zeros(groups, m, n)]
+
+
+def bad_acc_case(index, value):
+    args = acc_operands()
+    args[index] = value
+    return args
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (bad_acc_case(0, torch.zeros(1040, 256)), "a must be a contiguous torch.bfloat16"),
+        (bad_acc_case(0, torch.zeros(256, 1040, dtype=torch.bfloat16).t()), "a must be a contiguous"),
+        (bad_acc_case(1, torch.zeros(1000, 384, dtype=torch.bfloat16)), "b must be .* shape \\[1040, 384\\]"),
+        (bad_acc_case(2, torch.tensor([256, 256, 640, 1040])), "group_ends must be a contiguous torch.int32"),
+        (bad_acc_case(2, torch.zeros(0, dtype=torch.int32)), "group_ends is empty"),
+        (bad_acc_case(3, torch.zeros(4, 256, 384, dtype=torch.bfloat16)), "out must be a contiguous torch.float32"),
+        (bad_acc_case(3, torch.zeros(4, 384, 256)), "out must be .* shape \\[4, 256, 384\\]"),
+        (bad_acc_case(3, torch.zeros(4 * 256 * 384 + 1)[1:].view(4, 256, 384)), "out must start at a 16-byte aligned"),
+        (bad_acc_case(0, torch.zeros(1040, 250, dtype=torch.bfloat16)), "M=250 and N=384 must be multiples of 8"),
+        (acc_operands(), "must be CUDA tensors"),  # everything else is right
+    ],
+)
+def test_wgrad_accumulate_rejects_bad_operands_before_touching_a_device(args, message):
+    with pytest.raises(ValueError, match=message):
+        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(*args)
+
+
 needs_extension = pytest.mark.skipif(cutlass_gemm._cuda is None, reason="megamoe_train._cuda not built")
 
 
@@ -79,6 +112,22 @@ def test_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message
     with pytest.raises(RuntimeError, match=f"fp8_wgrad_grouped_gemm: {message}"):
         cutlass_gemm._cuda.fp8_wgrad_grouped_gemm(0, 0, 0, 0, 0, 0, groups, m, n, p, variant, 1, 0, 0, 0, 0)
     assert cutlass_gemm._cuda.FP8_WGRAD_VARIANTS >= 2
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "groups,m,n,p,variant,message",
+    [
+        (0, 256, 256, 1024, 0, "num_groups must be positive"),
+        (4, 250, 256, 1024, 0, "M must be a positive multiple of 16 bytes"),
+        (4, 256, 250, 1024, 0, "N and K must be multiples of 16 bytes"),
+        (4, 256, 256, 1024, 7, "unknown bf16 wgrad variant"),
+    ],
+)
+def test_wgrad_accumulate_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message):
+    with pytest.raises(RuntimeError, match=f"bf16_wgrad_grouped_gemm_accumulate: {message}"):
+        cutlass_gemm._cuda.bf16_wgrad_grouped_gemm_accumulate(0, 0, 0, 0, groups, m, n, p, variant, 1, 0, 0, 0, 0)
+    assert cutlass_gemm._cuda.BF16_WGRAD_VARIANTS == 2
 
 
 def _toolchain():

@@ -81,6 +81,30 @@ def _require_extension(fn: str) -> None:
         raise RuntimeError(f"{fn}: megamoe_train._cuda was not built (needs nvcc and nvidia-cutlass at install)")
 
 
+# the depth-grouped (wgrad) GEMMs: (default variant, swizzle) and the extension's variant count
+_DEPTH_GROUPED = {"fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"), "bf16_wgrad": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS")}
+
+
+def _depth_grouped_launch(fn: str, kind: str, tma_operands: dict, groups: int, variant, swizzle):
+    """After a wgrad wrapper's shape checks: TMA alignment and CUDA placement of its operands, the
+    extension, the variant; returns (variant, swizzle, stream, workspace)."""
+    for name, t in tma_operands.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
+    dev = next(iter(tma_operands.values())).device
+    if dev.type != "cuda":
+        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
+    _require_extension(fn)
+    (default_variant, default_swizzle), count_attr = _DEPTH_GROUPED[kind]
+    variant = default_variant if variant is None else variant
+    swizzle = default_swizzle if swizzle is None else swizzle
+    count = getattr(_cuda, count_attr)
+    if not 0 <= variant < count:
+        raise ValueError(f"{fn}: variant must be in [0, {count}), got {variant}")
+    stream = torch.cuda.current_stream(dev)
+    return variant, swizzle, stream, _workspace(kind, dev, groups, variant, 0, stream)
+
+
 def fp8_grouped_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int | None = None, swizzle: int | None = None):
     """a e4m3 [M, K], a_scales fp32 [M, K/128]; b e4m3 [G, N, K], b_scales fp32 [G, N/128, K/128];
     group_ends int32 [G]; out bf16 [M, N]. Returns out."""
@@ -168,18 +192,8 @@ def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, va
     _check(fn, "b_t_scales", b_t_scales, torch.float32, (N, P // SCALE_BLOCK), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
     _check(fn, "out", out, torch.bfloat16, (G, M, N), dev)
-    for name, t in (("a_t", a_t), ("b_t", b_t), ("out", out)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
-    if dev.type != "cuda":
-        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
-    _require_extension(fn)
-    variant = FP8_WGRAD_DEFAULT[0] if variant is None else variant
-    swizzle = FP8_WGRAD_DEFAULT[1] if swizzle is None else swizzle
-    if not 0 <= variant < _cuda.FP8_WGRAD_VARIANTS:
-        raise ValueError(f"{fn}: variant must be in [0, {_cuda.FP8_WGRAD_VARIANTS}), got {variant}")
-    stream = torch.cuda.current_stream(dev)
-    ws = _workspace("fp8_wgrad", dev, G, variant, 0, stream)
+    variant, swizzle, stream, ws = _depth_grouped_launch(fn, "fp8_wgrad", dict(a_t=a_t, b_t=b_t, out=out), G, variant,
+                                                         swizzle)
     _cuda.fp8_wgrad_grouped_gemm(
         a_t.data_ptr(), a_t_scales.data_ptr(), b_t.data_ptr(), b_t_scales.data_ptr(), out.data_ptr(),
         group_ends.data_ptr(), G, M, N, P, variant, swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
@@ -211,18 +225,7 @@ def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | Non
     _check(fn, "b", b, torch.bfloat16, (P, N), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
     _check(fn, "out", out, torch.float32, (G, M, N), dev)
-    for name, t in (("a", a), ("b", b), ("out", out)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
-    if dev.type != "cuda":
-        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
-    _require_extension(fn)
-    variant = BF16_WGRAD_DEFAULT[0] if variant is None else variant
-    swizzle = BF16_WGRAD_DEFAULT[1] if swizzle is None else swizzle
-    if not 0 <= variant < _cuda.BF16_WGRAD_VARIANTS:
-        raise ValueError(f"{fn}: variant must be in [0, {_cuda.BF16_WGRAD_VARIANTS}), got {variant}")
-    stream = torch.cuda.current_stream(dev)
-    ws = _workspace("bf16_wgrad", dev, G, variant, 0, stream)
+    variant, swizzle, stream, ws = _depth_grouped_launch(fn, "bf16_wgrad", dict(a=a, b=b, out=out), G, variant, swizzle)
     _cuda.bf16_wgrad_grouped_gemm_accumulate(
         a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, variant, swizzle,
         ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,

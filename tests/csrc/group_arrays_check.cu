@@ -1,5 +1,6 @@
 // Host-side check of the per-group argument arrays that csrc/cuda/grouped_gemm_impl.cuh builds
-// for CUTLASS, for a row-grouped (forward) and a depth-grouped (wgrad) fp8 GEMM: problem shapes,
+// for CUTLASS, for a row-grouped (forward) and a depth-grouped (wgrad) fp8 GEMM and the bf16
+// depth-grouped GEMM accumulating into fp32 (gradient-accumulation fusion): problem shapes,
 // pointers, strides, and the scale layouts read through the same local_tile view the blockwise
 // main loop takes. Needs no GPU (fill_group_entry is a host function too); compiled and run by
 // tests/test_cutlass_host.py. Prints each failure and exits nonzero if any.
@@ -36,6 +37,12 @@ using RowGrouped = GroupedGemm<E4M3, NK, Tile, Cluster, cutlass::gemm::KernelPtr
                                cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 using DepthGrouped = GroupedGemm<E4M3, NK, Tile, Cluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, GroupedDim::kDepth>;
+
+using BF16 = cutlass::bfloat16_t;
+using AccGrouped = GroupedGemm<BF16, cutlass::layout::RowMajor, Shape<_128, _128, _64>, Cluster,
+                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, GroupedDim::kDepth,
+                               cutlass::layout::ColumnMajor, float>;
 
 template <class G>
 struct HostArrays {
@@ -123,6 +130,45 @@ void check_depth_grouped() {
   EXPECT(!megamoe::detail::depth_range_valid(256, 128, p), "a decreasing range is invalid");
 }
 
+// The accumulating bf16 wgrad: A and B are the pool itself ([P, M], [P, N]), so group g starts
+// start rows in, with leading dimensions M and N; any row range inside the pool is usable (16-row
+// groups); an empty group or a range outside the pool gets no tiles (its fp32 D is left alone).
+void check_accumulating() {
+  const int m = 256, n = 384, p = 1104;
+  std::vector<int32_t> ends = {48, 48, 64, 576, 1040};
+  int groups = static_cast<int>(ends.size());
+  std::vector<uint16_t> a(size_t(p) * m), b(size_t(p) * n);
+  std::vector<float> d(size_t(groups) * m * n);
+  HostArrays<AccGrouped> host(groups);
+  auto& arr = host.arr;
+  for (int g = 0; g < groups; ++g) {
+    megamoe::detail::fill_group_entry<AccGrouped>(arr, ends.data(), g, m, n, p, a.data(), nullptr, b.data(), nullptr,
+                                                  d.data());
+  }
+  for (int g = 0; g < groups; ++g) {
+    int start = g == 0 ? 0 : ends[g - 1], depth = ends[g] - start;
+    auto shape = arr.shapes[g];
+    if (depth == 0) {
+      EXPECT(get<0>(shape) == 0, "empty group %d must have no tiles (M = %d)", g, int(get<0>(shape)));
+      continue;
+    }
+    EXPECT(get<0>(shape) == m && get<1>(shape) == n && get<2>(shape) == depth, "group %d shape (%d, %d, %d)", g,
+           int(get<0>(shape)), int(get<1>(shape)), int(get<2>(shape)));
+    EXPECT(reinterpret_cast<const uint16_t*>(arr.a[g]) == a.data() + size_t(start) * m, "group %d A pointer", g);
+    EXPECT(reinterpret_cast<const uint16_t*>(arr.b[g]) == b.data() + size_t(start) * n, "group %d B pointer", g);
+    EXPECT(arr.d[g] == d.data() + size_t(g) * m * n, "group %d D pointer", g);
+    EXPECT(get<1>(arr.stride_a[g]) == m, "group %d A: %ld elements per k, want M", g, long(get<1>(arr.stride_a[g])));
+    EXPECT(get<1>(arr.stride_b[g]) == n, "group %d B: %ld elements per k, want N", g, long(get<1>(arr.stride_b[g])));
+    EXPECT(get<0>(arr.stride_d[g]) == n, "group %d D row stride %ld", g, long(get<0>(arr.stride_d[g])));
+  }
+  std::vector<int32_t> bad = {64, 32, p + 16};  // decreasing, then past the pool: skipped
+  for (int g = 0; g < static_cast<int>(bad.size()); ++g) {
+    megamoe::detail::fill_group_entry<AccGrouped>(arr, bad.data(), g, m, n, p, a.data(), nullptr, b.data(), nullptr,
+                                                  d.data());
+    EXPECT((get<0>(arr.shapes[g]) == 0) == (g != 0), "bad range %d has M = %d", g, int(get<0>(arr.shapes[g])));
+  }
+}
+
 void check_row_grouped() {
   const int n = 256, k = 512, kb = k / kScaleBlock;
   std::vector<int32_t> ends = {128, 128, 384};
@@ -159,6 +205,7 @@ void check_row_grouped() {
 int main() {
   check_depth_grouped();
   check_row_grouped();
+  check_accumulating();
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
   return failures ? 1 : 0;
 }
