@@ -116,7 +116,9 @@ def _fp8_wgrad(recipe, grad, act, act_scales, plan: Plan):
 def _wgrad_into(accumulator, grad, inputs, plan: Plan):
     """accumulator[e] += grad[rows of e]^T @ inputs[rows of e]: in the CUTLASS GEMM's epilogue
     (fp32, unrounded) where built and the accumulator is fp32; else torch's grouped GEMM, then an add."""
-    if accumulator.dtype == torch.float32 and accumulator.is_contiguous() and cutlass_gemm.available(grad.device):
+    fused = (accumulator.dtype == torch.float32 and accumulator.is_contiguous() and cutlass_gemm.available(grad.device)
+             and all(t.data_ptr() % 16 == 0 for t in (accumulator, grad, inputs)))  # TMA needs 16-byte starts
+    if fused:
         cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
     else:
         accumulator.add_(_grouped_mm(grad.t(), inputs, plan.expert_ends))
