@@ -47,7 +47,15 @@ def exit_finished_rank():
     """End a spawned rank whose work is done and released (finish_rank), skipping interpreter
     teardown: freeing NCCL state there still aborted a finished rank now and then
     ("terminate called without an active exception", SIGABRT; seen after complete training and
-    profiling runs on 2x H200), which made a successful run report a failed rank."""
+    profiling runs on 2x H200), which made a successful run report a failed rank.
+
+    os._exit skips multiprocessing's exit handlers, so the rank's own child processes (e.g. the
+    manager process behind Megatron's async checkpoint result queue) are ended here first: left
+    running, they would hold the launcher's stdout open and keep it waiting."""
+    for child in mp.active_children():
+        child.terminate()
+    for child in mp.active_children():
+        child.join(timeout=5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
