@@ -8,6 +8,9 @@ The summary (also in RUN/summary.json, and RUN/profile/trace_rankR.json for a tr
 - kernel_s: sum of kernel durations (overlapping streams counted twice), memcpy_s likewise;
 - moe_kernel_s / moe_share: kernels launched inside an MoE layer's forward or backward (ranges
   opened by hooks on every megatron MoELayer, MegaMoE and stock alike), over kernel_s;
+- peer_wait_s: time in MegaMoE's device barrier kernel, i.e. this rank's GPU spinning until its
+  expert-parallel peers arrive (load imbalance between ranks, or a peer's host running late):
+  counted in busy_s and kernel_s, but no work;
 - top_kernels: the 15 largest kernel names by total time.
 Profiler overhead lengthens the profiled steps somewhat; tokens/s comes from the unprofiled steps.
 """
@@ -23,6 +26,7 @@ from collections import defaultdict
 import torch
 
 MOE_FORWARD, MOE_BACKWARD = "megamoe_trainer/moe_forward", "megamoe_trainer/moe_backward"
+PEER_WAIT_KERNEL = "_barrier_kernel"  # megamoe_train/device_barrier.py's Triton kernel
 
 
 class _Range:
@@ -126,12 +130,14 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
         i = bisect.bisect_right(starts[tid], ts) - 1
         return i >= 0 and ranges[tid][i][0] <= ts <= ranges[tid][i][1]
 
-    kernel_us = memcpy_us = moe_us = 0.0
+    kernel_us = memcpy_us = moe_us = wait_us = 0.0
     by_name = defaultdict(float)
     for e in gpu:
         if e["cat"] == "kernel":
             kernel_us += e["dur"]
             by_name[e["name"]] += e["dur"]
+            if e["name"] == PEER_WAIT_KERNEL:
+                wait_us += e["dur"]
             if in_moe(e):
                 moe_us += e["dur"]
         else:
@@ -147,6 +153,7 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
         "memcpy_s": memcpy_us / 1e6,
         "moe_kernel_s": moe_us / 1e6,
         "moe_share": moe_us / kernel_us if kernel_us else None,
+        "peer_wait_s": wait_us / 1e6,
         "kernels": sum(1 for e in gpu if e["cat"] == "kernel"),
         "moe_ranges": moe_ranges,
         "top_kernels": [{"name": n[:120], "s": us / 1e6} for n, us in top],

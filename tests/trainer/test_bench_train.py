@@ -36,6 +36,31 @@ def test_bench_train_cpu(tmp_path):
         prof = r["profile_rank0"]
         assert prof["steps"] == [2, 3] and prof["moe_ranges"] == 2 * 2 * 2  # 2 steps x 2 MoE layers x (fwd, bwd)
         assert r["gpu_busy_fraction"] is None and r["peak_memory_gib"] is None  # CPU: no GPU numbers
+        assert prof["peer_wait_s"] == 0.0 and "peer_wait_ms_per_step" in r and "expert_load_imbalance" in r
     for name in ("bf16", "fp8"):  # same seed and data: the losses follow stock's closely
         assert rows[name]["loss_max_rel_diff_vs_stock"] < 1e-2
         assert rows[name]["loss_last20_mean_rel_diff_vs_stock"] < 1e-2
+
+
+def test_trace_summary_counts_peer_wait():
+    """summarize_trace on a hand-made trace: the device barrier's spinning is reported as peer
+    wait (and still counts as busy and kernel time), MoE ranges attribute kernels by launch."""
+    from megamoe_trainer.profiling import MOE_FORWARD, PEER_WAIT_KERNEL, summarize_trace
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": ts, "dur": 1,
+                "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": MOE_FORWARD, "tid": 1, "ts": 0, "dur": 50},
+        launch(10, 1), kernel("gemm", 100, 300, 1),
+        launch(20, 2), kernel(PEER_WAIT_KERNEL, 400, 600, 2),
+        launch(60, 3), kernel("adam", 1000, 200, 3),
+    ]}
+    s = summarize_trace(trace, wall_s=2e-3)
+    assert s["kernel_s"] == pytest.approx(1.1e-3) and s["busy_s"] == pytest.approx(1.1e-3)
+    assert s["peer_wait_s"] == pytest.approx(0.6e-3)
+    assert s["moe_kernel_s"] == pytest.approx(0.9e-3)  # the gemm and the barrier were launched in the range
