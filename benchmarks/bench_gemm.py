@@ -150,6 +150,16 @@ def wgrad_case(groups, rows_per_group, m, n, dev):
     return times, errors
 
 
+def wgrad_shapes(shapes: str, ep: int):
+    """(shape, wgrad name, groups, rows per expert, M, N) of the two expert wgrads of each shape."""
+    for shape in shapes.split(","):
+        E, topk, H, I, T = SHAPES[shape]
+        groups = E // ep
+        rows = max(128, -(-T * topk // groups // 128) * 128)
+        for name, m, n in (("W2 grad", H, I), ("W1 grad", 2 * I, H)):
+            yield shape, name, groups, rows, m, n
+
+
 def wgrad_acc_case(groups, rows_per_group, m, n, dev):
     """main_grad[g] += A[rows of g]^T @ B[rows of g]: fused (every variant) vs torch + add_."""
     p = groups * rows_per_group
@@ -213,40 +223,32 @@ def main():
         print("\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | torch bf16 ms (TF/s) | speedup | "
               "fp8 FLOPs floor ms | output floor ms |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-        for shape in args.shapes.split(","):
-            E, topk, H, I, T = SHAPES[shape]
-            groups = E // args.ep
-            rows = max(128, -(-T * topk // groups // 128) * 128)
-            for name, m, n in (("W2 grad", H, I), ("W1 grad", 2 * I, H)):
-                times, errors = wgrad_case(groups, rows, m, n, dev)
-                flops = 2.0 * groups * rows * m * n
-                tf = lambda ms: flops / ms / 1e9  # noqa: E731
-                ours = min((v for key, v in times.items() if key.startswith("cutlass_fp8")), default=None)
-                speedup = f"{times['torch_bf16'] / ours:.2f}x" if ours else "-"
-                out_floor = groups * m * n * 2 / write_gbs / 1e6
-                print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
-                      f"{best(times, 'torch_bf16', tf)} | {speedup} | {flops / fp8_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
-                details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
-                torch.cuda.empty_cache()
+        for shape, name, groups, rows, m, n in wgrad_shapes(args.shapes, args.ep):
+            times, errors = wgrad_case(groups, rows, m, n, dev)
+            flops = 2.0 * groups * rows * m * n
+            tf = lambda ms: flops / ms / 1e9  # noqa: E731
+            ours = min((v for key, v in times.items() if key.startswith("cutlass_fp8")), default=None)
+            speedup = f"{times['torch_bf16'] / ours:.2f}x" if ours else "-"
+            out_floor = groups * m * n * 2 / write_gbs / 1e6
+            print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
+                  f"{best(times, 'torch_bf16', tf)} | {speedup} | {flops / fp8_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
+            details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+            torch.cuda.empty_cache()
     if "wgrad_acc" in gemms:
         print("\n| shape | wgrad into fp32 main_grad | G x M x N, rows per expert | CUTLASS fused ms (TF/s) best | "
               "torch bf16 + add_ ms | speedup | bf16 FLOPs floor ms | main_grad r+w floor ms |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-        for shape in args.shapes.split(","):
-            E, topk, H, I, T = SHAPES[shape]
-            groups = E // args.ep
-            rows = max(128, -(-T * topk // groups // 128) * 128)
-            for name, m, n in (("W2 grad", H, I), ("W1 grad", 2 * I, H)):
-                times, errors = wgrad_acc_case(groups, rows, m, n, dev)
-                flops = 2.0 * groups * rows * m * n
-                tf = lambda ms: flops / ms / 1e9  # noqa: E731
-                ours = min((v for key, v in times.items() if key.startswith("cutlass_acc")), default=None)
-                speedup = f"{times['torch_bf16+add'] / ours:.2f}x" if ours else "-"
-                print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
-                      f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
-                      f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
-                details.append(f"{shape} {name} acc: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
-                torch.cuda.empty_cache()
+        for shape, name, groups, rows, m, n in wgrad_shapes(args.shapes, args.ep):
+            times, errors = wgrad_acc_case(groups, rows, m, n, dev)
+            flops = 2.0 * groups * rows * m * n
+            tf = lambda ms: flops / ms / 1e9  # noqa: E731
+            ours = min((v for key, v in times.items() if key.startswith("cutlass_acc")), default=None)
+            speedup = f"{times['torch_bf16+add'] / ours:.2f}x" if ours else "-"
+            print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
+                  f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
+                  f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
+            details.append(f"{shape} {name} acc: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+            torch.cuda.empty_cache()
     print("\n# every configuration (ms, relative error against the float product of the same operands)")
     print("\n".join(details))
 
