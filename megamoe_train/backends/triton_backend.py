@@ -113,15 +113,28 @@ def _fp8_wgrad(recipe, grad, act, act_scales, plan: Plan):
     return _grouped_mm(a, b.t(), plan.expert_ends)
 
 
-def _wgrad_into(accumulator, grad, inputs, plan: Plan):
-    """accumulator[e] += grad[rows of e]^T @ inputs[rows of e]: in the CUTLASS GEMM's epilogue
-    (fp32, unrounded) where built and the accumulator is fp32; else torch's grouped GEMM, then an add."""
-    fused = (accumulator.dtype == torch.float32 and accumulator.is_contiguous() and cutlass_gemm.available(grad.device)
-             and all(t.data_ptr() % 16 == 0 for t in (accumulator, grad, inputs)))  # TMA needs 16-byte starts
-    if fused:
-        cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
+def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None):
+    """grad[rows of e]^T @ (stored activation rows of e) for every expert e, as the recipe computes
+    it (fp8_e4m3_wgrad: _fp8_wgrad; else bf16 on the dequantized activations). Without an
+    accumulator it is returned (bf16 [E, ., .]); with one it is added into it and None returned:
+    in the CUTLASS GEMM's epilogue (fp32, unrounded) where built and the accumulator is fp32, else
+    by an add."""
+    recipe = cfg.precision
+    if recipe.quantized_wgrad:
+        wgrad = _fp8_wgrad(recipe, grad, stored, stored_scales, plan)
     else:
-        accumulator.add_(_grouped_mm(grad.t(), inputs, plan.expert_ends))
+        inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
+        epilogue = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
+                    and cutlass_gemm.available(grad.device)
+                    and all(t.data_ptr() % 16 == 0 for t in (accumulator, grad, inputs)))  # TMA needs 16-byte starts
+        if epilogue:
+            cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
+            return None
+        wgrad = _grouped_mm(grad.t(), inputs, plan.expert_ends)
+    if accumulator is None:
+        return wgrad
+    accumulator.add_(wgrad)
+    return None
 
 
 def _as_compute(data, scales, num_rows, dtype):
@@ -234,22 +247,7 @@ class TritonExecutor:
             K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
                                weights.chunk, cfg.activation_clamp)
             grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
-        if recipe.quantized_wgrad:
-            grad_w2 = _fp8_wgrad(recipe, pool_grad, state.act, state.act_scales, plan)
-            grad_w1 = _fp8_wgrad(recipe, grad_h, state.pool_x, state.pool_x_scales, plan)
-            if wgrad_accumulators is not None:
-                wgrad_accumulators[0].add_(grad_w1)
-                wgrad_accumulators[1].add_(grad_w2)
-                grad_w1 = grad_w2 = None
-        elif wgrad_accumulators is not None:  # added into the accumulators in the GEMM epilogue
-            act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
-            _wgrad_into(wgrad_accumulators[1], pool_grad, act, plan)
-            x_in = _as_compute(state.pool_x, state.pool_x_scales, plan.num_rows, cfg.dtype)
-            _wgrad_into(wgrad_accumulators[0], grad_h, x_in, plan)
-            grad_w1 = grad_w2 = None
-        else:
-            act = _as_compute(state.act, state.act_scales, plan.num_rows, cfg.dtype)
-            grad_w2 = _grouped_mm(pool_grad.t(), act, plan.expert_ends)
-            x_in = _as_compute(state.pool_x, state.pool_x_scales, plan.num_rows, cfg.dtype)
-            grad_w1 = _grouped_mm(grad_h.t(), x_in, plan.expert_ends)
+        acc_w1, acc_w2 = wgrad_accumulators if wgrad_accumulators is not None else (None, None)
+        grad_w2 = _expert_wgrad(cfg, plan, pool_grad, state.act, state.act_scales, acc_w2)
+        grad_w1 = _expert_wgrad(cfg, plan, grad_h, state.pool_x, state.pool_x_scales, acc_w1)
         return grad_x_rows, grad_row_w, grad_w1, grad_w2
