@@ -145,20 +145,14 @@ def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int)
     KP, NB = triton.next_power_of_2(K), triton.next_power_of_2(E + 1)
     num_chunks = max(1, triton.cdiv(num_pairs, CHUNK))
 
-    # one allocation for the outputs that start at -1, one for the rest and the scratch
-    filled = torch.empty(2 * P + num_pairs * (K + 2), dtype=torch.int32, device=dev)
-    row_recv, row_slot = filled[:P], filled[P:2 * P]
-    recv_src, recv_token = filled[2 * P:2 * P + num_pairs], filled[2 * P + num_pairs:2 * P + 2 * num_pairs]
-    recv_rows = filled[2 * P + 2 * num_pairs:].view(num_pairs, K)
-    scratch = torch.empty(2 * num_chunks * NB + 2 * num_chunks + 2 * NB + 2 + E + num_blocks, dtype=torch.int32, device=dev)
-    counts, chunk_base = scratch[:num_chunks * NB], scratch[num_chunks * NB:2 * num_chunks * NB]
-    o = 2 * num_chunks * NB
-    pair_counts, pair_base = scratch[o:o + num_chunks], scratch[o + num_chunks:o + 2 * num_chunks]
-    o += 2 * num_chunks
-    totals, num_recv, num_rows = scratch[o:o + NB], scratch[o + NB:o + NB + 1], scratch[o + NB + 1:o + NB + 2]
-    starts_scratch = scratch[o + NB + 2:o + 2 * NB + 2]
-    o += 2 * NB + 2
-    expert_ends, block_expert = scratch[o:o + E], scratch[o + E:o + E + num_blocks]
+    # one allocation for the outputs that start at -1, one for the rest and the scratch (views)
+    filled_sizes = [P, P, num_pairs, num_pairs, num_pairs * K]
+    filled = torch.empty(sum(filled_sizes), dtype=torch.int32, device=dev)
+    row_recv, row_slot, recv_src, recv_token, recv_rows = filled.split(filled_sizes)
+    recv_rows = recv_rows.view(num_pairs, K)
+    scratch_sizes = [num_chunks * NB, num_chunks * NB, num_chunks, num_chunks, NB, 1, 1, NB, E, num_blocks]
+    (counts, chunk_base, pair_counts, pair_base, totals, num_recv, num_rows, starts_scratch, expert_ends,
+     block_expert) = torch.empty(sum(scratch_sizes), dtype=torch.int32, device=dev).split(scratch_sizes)
     expert_counts = torch.empty(E, dtype=torch.int64, device=dev)
 
     fill_per_prog = triton.cdiv(filled.numel(), num_chunks)
