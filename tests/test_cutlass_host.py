@@ -27,8 +27,8 @@ def wgrad_operands(m=256, n=384, p=1024, groups=4):
     return [a_t, a_s, b_t, b_s, ends, out]
 
 
-def bad_case(index, value):
-    args = wgrad_operands()
+def bad_case(index, value, operands=wgrad_operands):
+    args = operands()
     args[index] = value
     return args
 
@@ -67,9 +67,7 @@ def acc_operands(m=256, n=384, p=1040, groups=4):
 
 
 def bad_acc_case(index, value):
-    args = acc_operands()
-    args[index] = value
-    return args
+    return bad_case(index, value, acc_operands)
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,19 @@ void check_row_scales(const char* what, int g, const float* ptr, Layout layout, 
   }
 }
 
+// A depth-grouped group's problem shape: no tiles when it has no rows, else (m, n, depth).
+// Returns whether the group has tiles (then its pointers and strides are worth checking).
+template <class GroupShape>
+bool check_depth_shape(int g, GroupShape shape, int m, int n, int depth) {
+  if (depth == 0) {
+    EXPECT(get<0>(shape) == 0, "empty group %d must have no tiles (M = %d)", g, int(get<0>(shape)));
+    return false;
+  }
+  EXPECT(get<0>(shape) == m && get<1>(shape) == n && get<2>(shape) == depth, "group %d shape (%d, %d, %d)", g,
+         int(get<0>(shape)), int(get<1>(shape)), int(get<2>(shape)));
+  return true;
+}
+
 void check_depth_grouped() {
   const int m = 256, n = 384, p = 1664, kb = p / kScaleBlock;
   // skewed groups, two empty ones, one of exactly 128 rows, a tail past the last end (1408..1664)
@@ -98,13 +111,7 @@ void check_depth_grouped() {
   }
   for (int g = 0; g < groups; ++g) {
     int start = g == 0 ? 0 : ends[g - 1], depth = ends[g] - start;
-    auto shape = arr.shapes[g];
-    if (depth == 0) {
-      EXPECT(get<0>(shape) == 0, "empty group %d must have no tiles (M = %d)", g, int(get<0>(shape)));
-      continue;
-    }
-    EXPECT(get<0>(shape) == m && get<1>(shape) == n && get<2>(shape) == depth, "group %d shape (%d, %d, %d)", g,
-           int(get<0>(shape)), int(get<1>(shape)), int(get<2>(shape)));
+    if (!check_depth_shape(g, arr.shapes[g], m, n, depth)) continue;
     EXPECT(reinterpret_cast<const uint8_t*>(arr.a[g]) == a.data() + start, "group %d A pointer", g);
     EXPECT(reinterpret_cast<const uint8_t*>(arr.b[g]) == b.data() + start, "group %d B pointer", g);
     EXPECT(reinterpret_cast<uint16_t*>(arr.d[g]) == d.data() + size_t(g) * m * n, "group %d D pointer", g);
@@ -147,13 +154,7 @@ void check_accumulating() {
   }
   for (int g = 0; g < groups; ++g) {
     int start = g == 0 ? 0 : ends[g - 1], depth = ends[g] - start;
-    auto shape = arr.shapes[g];
-    if (depth == 0) {
-      EXPECT(get<0>(shape) == 0, "empty group %d must have no tiles (M = %d)", g, int(get<0>(shape)));
-      continue;
-    }
-    EXPECT(get<0>(shape) == m && get<1>(shape) == n && get<2>(shape) == depth, "group %d shape (%d, %d, %d)", g,
-           int(get<0>(shape)), int(get<1>(shape)), int(get<2>(shape)));
+    if (!check_depth_shape(g, arr.shapes[g], m, n, depth)) continue;
     EXPECT(reinterpret_cast<const uint16_t*>(arr.a[g]) == a.data() + size_t(start) * m, "group %d A pointer", g);
     EXPECT(reinterpret_cast<const uint16_t*>(arr.b[g]) == b.data() + size_t(start) * n, "group %d B pointer", g);
     EXPECT(arr.d[g] == d.data() + size_t(g) * m * n, "group %d D pointer", g);
