@@ -18,11 +18,11 @@ import time
 
 import torch
 
+from megamoe_train import MegaMoEConfig
 from megamoe_train.backends.triton_backend import TritonExecutor
 from megamoe_train.backends.triton_plan import build_plan as device_plan
 from megamoe_train.expert_math import store_act
 from megamoe_train.plan import build_plan
-from megamoe_train.precision import get_recipe
 
 from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
 from timing import median_ms
@@ -65,17 +65,14 @@ def main():
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         data = torch.empty(T, H, device=dev, dtype=torch.float8_e4m3fn)
         scales = torch.empty(T, H // 128, device=dev, dtype=torch.float32)
-        recipe = get_recipe("fp8")
+        cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=topk, num_max_tokens_per_rank=T, recipe="fp8")
 
         def old_store():
-            d, s = store_act(x, recipe, torch.bfloat16)
+            d, s = store_act(x, cfg.precision, torch.bfloat16)
             data.copy_(d)
             scales.copy_(s)
 
-        class Cfg:
-            precision = recipe
-
-        new_store = lambda: TritonExecutor().store_inputs(Cfg, x, data, scales)
+        new_store = lambda: TritonExecutor().store_inputs(cfg, x, data, scales)
         print(row(f"{shape} fp8 input storage T{T} H{H}", (median_ms(old_store), host_ms(old_store)),
                   (median_ms(new_store), host_ms(new_store))))
 
