@@ -9,9 +9,12 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
 - MFU at that rate (FLOPs-per-token formula in docs/trainer.md, peak = recipe run.peak_tflops);
 - GPU busy: union of kernel/copy intervals over wall time of `--profile-steps` steps under the torch
   profiler (rank 0; CUDA only), and the MoE layers' share of kernel time;
-- peer wait: ms per profiled step rank 0's GPU spins in MegaMoE's device barrier waiting for its
-  expert-parallel peers (counted as busy, but no work), next to the experts' load max/mean (median
-  over the timed steps): a step paced by the busier rank shows here, not in the kernels;
+- peer wait: ms per step the MegaMoE barriers of the most-waiting rank stood still for their
+  expert-parallel peers (the barriers' own device counter, SymmBuffer.peer_wait_ns: unprofiled
+  steps, median over the timed steps), next to the experts' load max/mean: a step paced by a
+  busier or host-late peer shows here, not in the kernels. (The profiled steps' barrier time
+  overstates it: the profiler slows each rank's host unevenly, and a host-late peer then shows
+  as a waiting GPU.);
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
 - loss agreement with the stock variant: max relative difference of the per-step losses, and the
   relative difference of the mean of the last 20 losses.
@@ -93,8 +96,8 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "gpu_busy_fraction": prof and prof["busy_fraction"],
         "moe_share_of_kernel_time": prof and prof["moe_share"],
-        # rank 0's GPU spinning in the MegaMoE barrier for its peers, per profiled step
-        "peer_wait_ms_per_step": prof and prof.get("peer_wait_s", 0.0) * 1e3 / (prof["steps"][1] - prof["steps"][0] + 1),
+        # the most-waiting rank's MegaMoE barriers standing still for their peers, unprofiled steps
+        "peer_wait_ms_per_step": _median([max(r["peer_wait_ms"]) if r.get("peer_wait_ms") else None for r in timed]),
         # experts' load max/mean (median over the timed steps): what the peers wait for
         "expert_load_imbalance": _median([r.get("load_imbalance") for r in timed]),
         "profile_rank0": prof,
@@ -135,7 +138,7 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
         lines.append(
             f"| {r['variant']} | {r['tokens_per_s']:.0f} | {_fmt(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} | "
             f"{_fmt(r['gpu_busy_fraction'], '.0%')} | {_fmt(r['moe_share_of_kernel_time'], '.0%')} | "
-            f"{_fmt(r['peer_wait_ms_per_step'] if r['gpu_busy_fraction'] is not None else None, '.1f')} | "
+            f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | "
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
             f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")

@@ -3,7 +3,10 @@
   python benchmarks/profile_layer.py --shape S1 --recipe fp8 [--world 2] [--backend triton] [--cuda-graph]
 
 Prints the median forward and forward+backward times, then rank 0's CUDA kernels of one
-profiled iteration, by total time: where to look next.
+profiled iteration, by total time: where to look next. `--timeline` also prints that iteration's
+kernels in launch order with their start, duration and the idle gap before each; the host is put
+ahead of the GPU first (a sleep kernel), so a gap there is the GPU waiting on a dependency or
+a peer, not on the host.
 """
 
 from __future__ import annotations
@@ -50,13 +53,17 @@ def _time(fn, iters: int) -> float:
     return float(t)
 
 
+def _is_sleep(name: str) -> bool:  # torch.cuda._sleep's kernel, not the layer's
+    return "spin_kernel" in name
+
+
 def _busy_summary(prof) -> str:
     """Kernel launches, summed kernel time and the union of kernel intervals over the profiled
     window: where the GPU waits on the host (launch-bound) rather than on its kernels."""
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        if e.device_type == torch.autograd.DeviceType.CUDA and not _is_sleep(e.name)
     )
     if not spans:
         return "no CUDA kernels profiled"
@@ -73,7 +80,23 @@ def _busy_summary(prof) -> str:
             f"{busy / 1e3:.3f} of {window / 1e3:.3f} ms first-to-last kernel ({100 * busy / window:.0f}%)")
 
 
-def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False):
+def _timeline(prof) -> str:
+    """Kernels / copies of the profiled window in start order: offset, duration, idle gap before."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not _is_sleep(e.name)
+    )
+    if not spans:
+        return "no CUDA kernels profiled"
+    t0, end, lines = spans[0][0], spans[0][0], ["  start us   dur us   gap us  kernel"]
+    for s, e, name in spans:
+        lines.append(f"{s - t0:9.1f} {e - s:8.1f} {max(0.0, s - end):8.1f}  {name[:90]}")
+        end = max(end, e)
+    return "\n".join(lines)
+
+
+def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False, timeline=False):
     E, K, H, I, T = SHAPES[shape]
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(None, cfg)
@@ -100,11 +123,17 @@ def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False):
     if rank == 0:
         how = "forward+backward replayed from CUDA graphs" if cuda_graph else "forward+backward"
         print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, {how} {t_all:.3f} ms", flush=True)
+    dist.barrier()
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        if timeline:
+            torch.cuda._sleep(50_000_000)  # ~25 ms: the host queues the whole iteration meanwhile
         fwd_bwd()
         torch.cuda.synchronize()
     if rank == 0:
         print(_busy_summary(prof), flush=True)
+        if timeline:
+            print(_timeline(prof), flush=True)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=40), flush=True)
 
@@ -117,8 +146,9 @@ def main():
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--cuda-graph", action="store_true", help="forward+backward through megamoe_train.graphs.GraphedMegaMoE")
+    p.add_argument("--timeline", action="store_true", help="also print the profiled iteration's kernels in order, host queued ahead")
     a = p.parse_args()
-    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters, a.cuda_graph), backend="nccl")
+    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters, a.cuda_graph, a.timeline), backend="nccl")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ never pair across calls). Polling ends early on p's failure mark, and at the dea
 (%globaltimer). The count is device memory, so a replayed CUDA graph advances it; a peer is at
 most one barrier ahead (it cannot pass barrier n + 1 before r enters it), so two tag slots
 suffice. With a status slot to check (captured calls), the ranks' status words are compared
-after the wait (every rank sees all words, so every rank decides the same).
+after the wait (every rank sees all words, so every rank decides the same). The time spent
+waiting (%globaltimer ns) is added to a counter in device memory: how long this rank stood
+still for its peers, measured without a profiler.
 
 On any fault the program writes the fault record (faults.py) into pinned host memory, writes its
 failure mark into every rank's area (peers waiting on it stop at once, naming it, instead of
@@ -61,9 +63,9 @@ def _fence_system(x, GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit(debug=True, do_not_specialize=[
-    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "status_addr", "check_status"])
+    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "status_addr", "check_status", "wait_addr"])
 def _barrier_kernel(
-    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, status_addr, check_status,
+    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, status_addr, check_status, wait_addr,
     GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
     WORDS: tl.constexpr, ARRIVED: tl.constexpr, TAGS: tl.constexpr, FAILED: tl.constexpr,
     STATUS_OK: tl.constexpr,
@@ -114,6 +116,7 @@ def _barrier_kernel(
                 kind = K_TIMED_OUT
                 peer = p
                 value = seen
+    tl.atomic_add(wait_addr.to(tl.pointer_type(tl.int64)), _now(polls, GLOBALTIMER, POLL_NS) - start)
     if check_status != 0:
         # A captured call: compare the status words (verdict, epoch, layer, phase) now, since a
         # replay runs no host code that could raise the mismatch later.
@@ -162,12 +165,13 @@ def interpreted() -> bool:
 
 
 def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int, timeout_s: float,
-                   record, status=None, poll_ns: int = 1000):
+                   record, wait_ns, status=None, poll_ns: int = 1000):
     """Launch one barrier on the current stream (never waits on the host).
 
     peer_bases: int64 [R] tensor of every rank's buffer base address (device memory on CUDA);
     the barrier area starts at area_offset bytes past each base. record: this rank's fault
-    record (int64 [RECORD_WORDS], pinned host memory). status: if given, this call's status slot
+    record (int64 [RECORD_WORDS], pinned host memory). wait_ns: int64 [1] (device memory on
+    CUDA), the time this barrier waits is added to it. status: if given, this call's status slot
     (int32 [R, 4]) in this rank's buffer, compared after the wait (captured calls)."""
     f = faults
     # status_addr is always some 64-bit address (the record's when unused) and check_status a
@@ -175,7 +179,7 @@ def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int
     # barrier, so a graph capture never compiles or loads a kernel.
     _barrier_kernel[(1,)](
         peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(),
-        record.data_ptr() if status is None else status.data_ptr(), int(status is not None),
+        record.data_ptr() if status is None else status.data_ptr(), int(status is not None), wait_ns.data_ptr(),
         GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
         WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK,
         K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,

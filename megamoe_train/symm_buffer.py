@@ -81,6 +81,7 @@ class _SharedMemoryPeers:
         self.timeout_s = timeout_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.arrived = 0
+        self.wait_ns = torch.zeros(1, dtype=torch.int64)  # host time barriers waited for peers
         self.maps, self.headers, self.peers = [], [], []
         token = _agree_token(group, self.rank, timeout_s)
         paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
@@ -163,7 +164,7 @@ class _SharedMemoryPeers:
         me[_TAG + n % 2] = tag
         me[_ARRIVED] = n  # after the tag: x86 keeps stores in order, and a peer reads the count first
         pending = [r for r in range(self.world) if r != self.rank]
-        deadline, polls = None, 0
+        deadline, polls, start = None, 0, time.monotonic_ns()
         while pending:
             waiting = []
             for r in pending:
@@ -192,6 +193,7 @@ class _SharedMemoryPeers:
                     )
                 polls += 1
                 time.sleep(0 if polls < 200 else 1e-4)
+        self.wait_ns += time.monotonic_ns() - start
 
     def has_fault(self) -> bool:
         return False  # CPU barriers raise where they fail; nothing is recorded for later
@@ -282,6 +284,7 @@ class _CudaSymmetricPeers:
         self.local = self.handle = self.base_ptrs = None
         self.peers, self.areas = [], []
         self.fault_record = None
+        self.wait_ns = torch.zeros(1, dtype=torch.int64, device=device)  # device time barriers waited for peers
         _agree_description(group, self.rank, description, timeout_s)
         self.area_offset = -(-nbytes // 256) * 256
         total = self.area_offset + area_bytes(self.world)
@@ -326,7 +329,7 @@ class _CudaSymmetricPeers:
         from .device_barrier import device_barrier
 
         device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
-                       self.fault_record, check_status)
+                       self.fault_record, self.wait_ns, check_status)
 
     def fault_error(self) -> Exception | None:
         """The error of a fault this rank's device barrier recorded before it trapped, if any."""
@@ -477,6 +480,14 @@ class SymmBuffer:
         except MegaMoEPeerError as err:
             self.fail(str(err), tag)
             raise
+
+    @property
+    def peer_wait_ns(self) -> torch.Tensor:
+        """int64 [1] on the buffer's device: nanoseconds this rank's barriers have waited for their
+        peers since the buffer was made (device time, %globaltimer, on CUDA; host time on CPU).
+        Grows when a peer arrives late: it has more rows to compute, or its host runs behind.
+        A counter like `expert_recv_stats`: copy it (no host sync) and take differences."""
+        return self._transport.wait_ns
 
     @property
     def peer_base_ptrs(self) -> torch.Tensor:

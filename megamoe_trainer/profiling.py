@@ -10,7 +10,9 @@ The summary (also in RUN/summary.json, and RUN/profile/trace_rankR.json for a tr
   opened by hooks on every megatron MoELayer, MegaMoE and stock alike), over kernel_s;
 - peer_wait_s: time in MegaMoE's device barrier kernel, i.e. this rank's GPU spinning until its
   expert-parallel peers arrive (load imbalance between ranks, or a peer's host running late):
-  counted in busy_s and kernel_s, but no work;
+  counted in busy_s and kernel_s, but no work. Under the profiler each rank's host runs slower,
+  and unevenly, so a host-late peer inflates this well past the unprofiled wait (metrics.jsonl's
+  peer_wait_ms, from the barriers' own counter, is the number to trust);
 - top_kernels: the 15 largest kernel names by total time.
 Profiler overhead lengthens the profiled steps somewhat; tokens/s comes from the unprofiled steps.
 """

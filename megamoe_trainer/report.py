@@ -50,8 +50,9 @@ class ProgressReport:
         self.window: list[float] = []  # losses since the last progress line
 
     def step(self, step: int, lr: float, loss_sum: float, ok_count: float, grad_norm: float, step_time: float,
-             consumed: int, load=None):
-        """loss_sum / ok_count: summed over data-parallel ranks; load: [MoE layers, experts] rows or None."""
+             consumed: int, load=None, peer_wait=None):
+        """loss_sum / ok_count: summed over data-parallel ranks; load: [MoE layers, experts] rows or None;
+        peer_wait: [EP ranks] ns each rank's MegaMoE barriers waited for their peers this step, or None."""
         recipe, dp = self.recipe, self.recipe.data_parallel_size
         tokens_per_s = recipe.tokens_per_step / step_time
         record = {
@@ -72,16 +73,19 @@ class ProgressReport:
             record["load_imbalance"] = per_expert.max().item() / mean if mean > 0 else None
             record["load_imbalance_worst_layer"] = layer_imb.max().item()
             record["expert_load"] = load.tolist()
+        if peer_wait is not None:
+            record["peer_wait_ms"] = [v / 1e6 for v in peer_wait.tolist()]
         self.metrics.append(record)
         self.window.append(record["loss"])
         if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
             imb, gn = record.get("load_imbalance"), record["grad_norm"]
+            wait = f" | peer wait {max(record['peer_wait_ms']):.1f} ms" if "peer_wait_ms" in record else ""
             avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
             self.window.clear()
             print(
                 f"step {step:5d}/{recipe.train.steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | "
                 f"MFU {100 * record['mfu']:.1f}% | load max/mean {imb if imb is None else format(imb, '.2f')}"
-                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'} | "
+                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'}{wait} | "
                 f"lr {lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
                 flush=True,
             )

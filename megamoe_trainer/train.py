@@ -84,6 +84,23 @@ def _gather_expert_load(model, dev: torch.device, stock: StockRouterLoad | None 
     return torch.cat(parts, dim=1)  # EP ranks hold contiguous expert ranges, in rank order
 
 
+def _gather_peer_wait(model, previous: torch.Tensor | None):
+    """(ns every expert-parallel rank's MegaMoE barriers waited for peers since `previous`, int64
+    [EP] on the device, or None without MegaMoE layers; the new snapshot). No host sync."""
+    from megatron.core import parallel_state
+
+    from megatron_patch import get_peer_wait_ns
+
+    now = get_peer_wait_ns(model)
+    if now is None:
+        return None, previous
+    waited = now - previous if previous is not None else now
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    parts = [torch.empty_like(waited) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, waited, group=ep_group)
+    return torch.cat(parts), now
+
+
 class PendingStep:
     """One step's numbers on their way to the host: device tensors copied into pinned memory
     without a sync and read one step later, when the GPU has long finished them, so the host never
@@ -91,12 +108,15 @@ class PendingStep:
     (CUDA events), which counts idle gaps too; on CPU, host wall time."""
 
     def __init__(self, step: int, lr: float, consumed: int, values: torch.Tensor, load: torch.Tensor | None,
-                 start_event, prev_end, host_start: float):
+                 peer_wait: torch.Tensor | None, start_event, prev_end, host_start: float):
         self.step, self.lr, self.consumed = step, lr, consumed
         self.start_event, self.prev_end = start_event, prev_end
         cuda = values.is_cuda
-        self.values = values.to("cpu", non_blocking=True) if cuda else values
-        self.load = None if load is None else (load.to("cpu", non_blocking=True) if cuda else load)
+
+        def to_host(t):
+            return None if t is None else (t.to("cpu", non_blocking=True) if t.is_cuda else t)
+
+        self.values, self.load, self.peer_wait = to_host(values), to_host(load), to_host(peer_wait)
         self.end_event = None
         if cuda:
             self.end_event = torch.cuda.Event(enable_timing=True)
@@ -212,6 +232,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
 
     pending: list[PendingStep] = []
     totals = {"tokens": 0, "seconds": 0.0}
+    wait_snapshot = None  # MegaMoE barriers' wait counter at the end of the previous step
 
     def finish_oldest():
         p = pending.pop(0)
@@ -219,7 +240,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         totals["tokens"] += recipe.tokens_per_step
         totals["seconds"] += step_time
         if report is not None:
-            report.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load)
+            report.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load, p.peer_wait)
 
     run_start = time.perf_counter()
     last_ckpt_step = start_step
@@ -266,7 +287,8 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                               grad_norm.detach().float().reshape(())])
         dist.all_reduce(values[:2], group=dp_group)  # loss sum and success count over data-parallel ranks
         load = _gather_expert_load(model, dev, stock_load)
-        pending.append(PendingStep(step, lr, consumed, values, load, start_event, prev_end, host_start))
+        peer_wait, wait_snapshot = _gather_peer_wait(model, wait_snapshot)
+        pending.append(PendingStep(step, lr, consumed, values, load, peer_wait, start_event, prev_end, host_start))
         prev_end = pending[-1].end_event
         if profiler is not None:
             profiler.after_step(step)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from . import cpu_compat
 from .config import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, megamoe_config, validate_megamoe
 from .megakernel import register_megakernel_backend
-from .moe_layer import MegaMoEMoELayer, get_expert_load, routing_to_topk
+from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
 from .spec import (
     get_megamoe_gpt_decoder_block_spec,
@@ -30,6 +30,7 @@ __all__ = [
     "MegaMoETransformerConfig",
     "cpu_compat",
     "get_expert_load",
+    "get_peer_wait_ns",
     "get_megamoe_gpt_decoder_block_spec",
     "get_megamoe_gpt_layer_spec",
     "get_megamoe_hybrid_stack_spec",

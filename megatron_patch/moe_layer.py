@@ -68,6 +68,7 @@ class MegaMoECall:
         self._mm_configs: dict[torch.dtype, MegaMoEConfig] = {}
         self.layer_id = register_layer(ep_group)  # layers of equal shape share a buffer; this tells them apart
         self.graphed: GraphedMegaMoE | None = None  # moe_megamoe_cuda_graph: built at the first CUDA call
+        self.buffer = None  # the symmetric buffer of the latest call (get_peer_wait_ns reads its counter)
 
     def _agree_max_tokens(self, tokens: int, device: torch.device) -> int:
         t = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -88,6 +89,7 @@ class MegaMoECall:
         """x [T, H] -> y [T, H]: routed experts (+ shared experts) of this layer."""
         cfg = self.megamoe_config(x)
         buffer = get_symm_buffer(self.ep_group, cfg, device=x.device)  # shared by layers of equal shape
+        self.buffer = buffer
         if isinstance(self.experts, MegaMoEExperts):
             w1, w2 = self.experts()  # through the module: its pre-hooks (param all-gather) run
         else:
@@ -222,3 +224,17 @@ def get_expert_load(model, reset: bool = True) -> torch.Tensor:
         for m in layers:
             m.expert_recv_stats.zero_()
     return load
+
+
+def get_peer_wait_ns(model) -> torch.Tensor | None:
+    """Nanoseconds this rank's MegaMoE barriers have waited for their expert-parallel peers so
+    far: the sum of SymmBuffer.peer_wait_ns over the buffers the model's MegaMoE layers used (one
+    per shape; int64 [1] on their device, a copy: no host sync). Differences between two reads
+    give the wait of the steps between them: time this GPU stood idle because a peer was late
+    (more rows to compute, or its host behind), which a profile of one rank cannot tell apart
+    from work. None before the first MegaMoE call."""
+    buffers = {id(b): b for m in _modules(model) if isinstance(m, MegaMoEMoELayer)
+               for b in [m.megamoe.buffer] if b is not None and b.alive}
+    if not buffers:
+        return None
+    return sum(b.peer_wait_ns for b in buffers.values()).clone()

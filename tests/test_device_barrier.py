@@ -33,7 +33,7 @@ WORLD = 2
 POLL_NS = 100_000  # the interpreter's clock: each poll counts as 100 us
 
 
-def _barrier_rank(rank, areas, records, statuses, steps, results):
+def _barrier_rank(rank, areas, records, statuses, waits, steps, results):
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
     from megamoe_train import device_barrier, faults
 
@@ -43,6 +43,8 @@ def _barrier_rank(rank, areas, records, statuses, steps, results):
         for step in steps[rank]:
             if step[0] == "sleep":
                 time.sleep(step[1])
+            elif step[0] == "zero_wait":
+                waits[rank].zero_()
             elif step[0] == "mark_failed":  # what _CudaSymmetricPeers.mark_failed writes, per rank
                 for area in areas:
                     area[rank * device_barrier.WORDS + device_barrier.FAILED] = step[1] + 1
@@ -50,7 +52,7 @@ def _barrier_rank(rank, areas, records, statuses, steps, results):
                 _, tag, timeout_s, check = step
                 status = statuses[rank] if check else None
                 device_barrier.device_barrier(
-                    bases, 0, rank, WORLD, tag, timeout_s, records[rank], status, poll_ns=POLL_NS
+                    bases, 0, rank, WORLD, tag, timeout_s, records[rank], waits[rank], status, poll_ns=POLL_NS
                 )
             done.append(step[0])
         results.put((rank, done, None, None))
@@ -67,9 +69,11 @@ def run_ranks(steps, statuses=None, timeout=240):
     records = [torch.zeros(RECORD_WORDS, dtype=torch.int64).share_memory_() for _ in range(WORLD)]
     statuses = statuses or [torch.zeros(WORLD, 4, dtype=torch.int32) for _ in range(WORLD)]
     statuses = [s.share_memory_() for s in statuses]
+    waits = [torch.zeros(1, dtype=torch.int64).share_memory_() for _ in range(WORLD)]
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_barrier_rank, args=(r, areas, records, statuses, steps, results)) for r in range(WORLD)
+        ctx.Process(target=_barrier_rank, args=(r, areas, records, statuses, waits, steps, results))
+        for r in range(WORLD)
     ]
     for p in procs:
         p.start()
@@ -77,7 +81,7 @@ def run_ranks(steps, statuses=None, timeout=240):
         out = {}
         for _ in range(WORLD):
             rank, done, err, fault = results.get(timeout=timeout)
-            out[rank] = dict(done=done, error=err, fault=fault, record=records[rank].tolist())
+            out[rank] = dict(done=done, error=err, fault=fault, record=records[rank].tolist(), wait_ns=int(waits[rank]))
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -98,6 +102,17 @@ def test_ranks_in_step_pass_and_count_barriers():
         for r in range(WORLD):
             assert area[r * WORDS + ARRIVED] == 3
             assert sorted(area[r * WORDS + TAGS : r * WORDS + TAGS + 2].tolist()) == [21, 22]
+
+
+def test_wait_counter_charges_the_rank_that_waited():
+    # rank 1 arrives 0.5 s late at the second barrier: rank 0 polls meanwhile (each poll counts
+    # POLL_NS on the interpreter's clock), rank 1 finds rank 0 there and waits no poll at all
+    steps = {0: [("barrier", 21, 30.0, False), ("zero_wait",), ("barrier", 22, 30.0, False)],
+             1: [("barrier", 21, 30.0, False), ("zero_wait",), ("sleep", 0.5), ("barrier", 22, 30.0, False)]}
+    out, _ = run_ranks(steps)
+    assert out[0]["error"] is None and out[1]["error"] is None
+    assert out[0]["wait_ns"] >= 3 * POLL_NS, out[0]
+    assert out[1]["wait_ns"] == 0, out[1]
 
 
 def test_barriers_of_different_calls_stop_both_ranks():
@@ -168,7 +183,8 @@ def test_kernel_compiles_for_hopper():
 
     kernel = db._barrier_kernel
     signature = {"peer_bases": "*i64", "area_offset": "i32", "me": "i32", "world": "i32", "tag": "i32",
-                 "timeout_ns": "i64", "record_addr": "i64", "status_addr": "i64", "check_status": "i32"}
+                 "timeout_ns": "i64", "record_addr": "i64", "status_addr": "i64", "check_status": "i32",
+                 "wait_addr": "i64"}
     constants = dict(
         GLOBALTIMER=True, POLL_NS=1000, WORDS=db.WORDS, ARRIVED=db.ARRIVED, TAGS=db.TAGS, FAILED=db.FAILED,
         STATUS_OK=db.STATUS_OK, K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,
@@ -179,5 +195,6 @@ def test_kernel_compiles_for_hopper():
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
     ptx = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, debug=True)).asm["ptx"]
-    for needed in ("%globaltimer", "ld.global.sys.acquire", "atom.global.sys.release.exch", "fence.sc.sys", "trap;"):
+    for needed in ("%globaltimer", "ld.global.sys.acquire", "atom.global.sys.release.exch", "fence.sc.sys", "trap;",
+                   "atom.global.gpu.acq_rel.add.u64"):  # the wait counter
         assert needed in ptx, needed

@@ -38,6 +38,27 @@ def test_peer_writes_visible_and_no_shm_left(rank_pools, world):
     assert leftovers == [[]] * world
 
 
+def late_peer_is_charged_to_the_waiting_rank(rank, world):
+    import time
+
+    cfg = MegaMoEConfig(**CFG)
+    buf = get_symm_buffer(None, cfg, timeout_s=20)
+    buf.barrier()
+    before = int(buf.peer_wait_ns)
+    if rank == 1:
+        time.sleep(0.3)  # rank 1 arrives late: rank 0 waits for it, rank 1 finds rank 0 there
+    buf.barrier()
+    waited = int(buf.peer_wait_ns) - before
+    buf.destroy()
+    return waited
+
+
+def test_peer_wait_counter(rank_pools):
+    waited = rank_pools(2).run(late_peer_is_charged_to_the_waiting_rank)
+    assert waited[0] >= 0.25e9, waited
+    assert waited[1] < 0.1e9, waited
+
+
 def barrier_times_out_when_a_peer_is_missing(rank, world):
     cfg = MegaMoEConfig(**CFG)
     buf = get_symm_buffer(None, cfg, timeout_s=3)
