@@ -257,7 +257,72 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
     return errors
 
 
+def check_pull_inputs(device, recipe: str):
+    """TritonExecutor's one-pass pull (x, its scales, each pool row's topk weight) from two source
+    ranks' buffers against the rows built here from the plan; outputs poisoned first, padding rows
+    must come back zero."""
+    from megamoe_train.layout import buffer_layout
+
+    cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=3, num_max_tokens_per_rank=24,
+                        recipe=recipe, block_m=16, dtype=torch.bfloat16)
+    R, T, K, H = 2, cfg.num_max_tokens_per_rank, cfg.topk, cfg.hidden
+    layout = buffer_layout(cfg, R)
+    regions = layout.regions
+    g = torch.Generator().manual_seed(11)
+    buffers = [torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) for _ in range(R)]
+
+    def view(r, name):
+        reg = regions[name]
+        return buffers[r][reg.offset:reg.offset + reg.nbytes].view(reg.dtype).view(reg.shape)
+
+    ids = torch.stack([torch.stack([torch.randperm(cfg.num_experts, generator=g)[:K] for _ in range(T)]) for _ in range(R)])
+    ids[0, 3] = -1  # a token with no slot anywhere
+    ids[1, 7, 1] = -1
+    xs, scales, tws = [], [], []
+    for r in range(R):
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        if cfg.precision.quantized:
+            q, s_ = quantize_act(x, cfg.precision)
+            view(r, "x").view(torch.uint8).copy_(q.view(torch.uint8))
+            view(r, "x_scales").copy_(s_)
+            xs.append(q.view(torch.uint8)), scales.append(s_)
+        else:
+            view(r, "x").copy_(x)
+            xs.append(x)
+        tw = torch.rand(T, K, generator=g) + 0.1
+        view(r, "topk_weights").copy_(tw)
+        tws.append(tw)
+    plan = build_plan(ids, 1, 2, TritonExecutor().row_align(cfg))  # rank 1's experts: 2, 3
+    P, live = plan.pool_rows, int(plan.num_rows)
+    u = plan.row_recv.long()
+    src, tok = plan.recv_src.long(), plan.recv_token.long()
+    want_x = torch.zeros(P, H, dtype=xs[0].dtype)
+    want_s = torch.zeros(P, H // 128)
+    want_w = torch.zeros(P)
+    for p in range(live):
+        if u[p] >= 0:
+            s_, t_ = int(src[u[p]]), int(tok[u[p]])
+            want_x[p] = xs[s_][t_]
+            if scales:
+                want_s[p] = scales[s_][t_]
+            want_w[p] = tws[s_][t_, int(plan.row_slot[p])]
+    plan = dataclasses.replace(plan, **{f.name: getattr(plan, f.name).to(device) for f in dataclasses.fields(plan)})
+    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+    x_pool = torch.full((P, H), 0x7F if scales else float("nan"), dtype=want_x.dtype, device=device)
+    s_pool = nans(P, H // 128, device=device) if scales else None
+    w_pool = nans(P, device=device)
+    K_.pull_expand(bases, regions["x"], x_pool.view(torch.float8_e4m3fn) if scales else x_pool, plan,
+                   scales_region=regions["x_scales"] if scales else None, scales_pool=s_pool,
+                   weights_region=regions["topk_weights"], row_weights=w_pool)
+    assert torch.equal(x_pool[:live].cpu(), want_x[:live]), "pulled rows"
+    if scales:
+        assert torch.equal(s_pool[:live].cpu(), want_s[:live]), "pulled scales"
+    assert torch.equal(w_pool[:live].cpu(), want_w[:live]), "row weights"
+
+
 def run_all(device) -> dict:
+    for recipe in ("bf16", "fp8"):
+        check_pull_inputs(device, recipe)
     check_quantize_rows(device)
     for clamp in (None, 0.75):
         check_swiglu_backward_quantized(device, clamp)

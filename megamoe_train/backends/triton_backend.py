@@ -184,11 +184,15 @@ class TritonExecutor:
         return pool
 
     def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> PoolInputs:
-        cfg, recipe = buf.config, buf.config.precision
-        x = self._pull(buf, "x", plan, recipe.act_storage_dtype(cfg.dtype))
-        x_scales = self._pull(buf, "x_scales", plan, torch.float32) if recipe.quantized else None
-        topk_weights = self._pull(buf, "topk_weights", plan, torch.float32)
-        row_weights = topk_weights.gather(1, plan.row_slot.clamp(min=0).long()[:, None]).squeeze(1)
+        # one pass per received row: x, its scales (fp8) and its slots' topk weights
+        cfg, recipe, regions = buf.config, buf.config.precision, buf.layout.regions
+        P, dev = plan.pool_rows, buf.device
+        x = torch.empty(P, cfg.hidden, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
+        x_scales = torch.empty(P, regions["x_scales"].shape[-1], dtype=torch.float32, device=dev) if recipe.quantized else None
+        row_weights = torch.empty(P, dtype=torch.float32, device=dev)
+        K_.pull_expand(buf.peer_base_ptrs, regions["x"], x, plan,
+                       scales_region=regions["x_scales"] if recipe.quantized else None, scales_pool=x_scales,
+                       weights_region=regions["topk_weights"], row_weights=row_weights)
         return PoolInputs(x, x_scales, row_weights)
 
     def pull_grad(self, buf: SymmBuffer, plan: Plan) -> torch.Tensor:

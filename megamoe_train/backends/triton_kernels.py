@@ -32,11 +32,15 @@ def _pull_expand_kernel(
     peer_bases, region_offset, row_bytes, pool, pool_stride,
     recv_src, recv_token, recv_rows, num_recv_ptr, row_recv, num_rows_ptr,
     width, recv_per_prog, rows_per_prog, num_pull_progs,
+    scales_offset, scales_row_bytes, scales_pool, num_scales, weights_offset, row_weights,
     TOPK: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+    SCALES: tl.constexpr, SELEM: tl.constexpr, SBLOCK: tl.constexpr, WEIGHTS: tl.constexpr,
 ):
     """Programs [0, num_pull_progs): each received row u is read once from rank recv_src[u]
     (row recv_token[u] of the region) and stored into pool row recv_rows[u, k] of every slot k
-    it has here. The other programs zero the padding rows (row_recv < 0) of the live pool."""
+    it has here; with SCALES its scale row the same way (fp8 inputs), with WEIGHTS slot k's topk
+    weight into row_weights[recv_rows[u, k]]. The other programs zero the padding rows
+    (row_recv < 0) of the live pool (and their scales and weights)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     if pid < num_pull_progs:
@@ -53,6 +57,20 @@ def _pull_expand_kernel(
                 for k in tl.static_range(TOPK):
                     dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
                     tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + cols, v, mask=m & (dest >= 0))
+            if SCALES:
+                scols = tl.arange(0, SBLOCK)
+                sm = scols < num_scales
+                srow = (base + scales_offset + tok * scales_row_bytes).to(tl.pointer_type(SELEM))
+                sv = tl.load(srow + scols, mask=sm)
+                for k in tl.static_range(TOPK):
+                    dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
+                    tl.store(scales_pool + tl.maximum(dest, 0) * num_scales + scols, sv, mask=sm & (dest >= 0))
+            if WEIGHTS:
+                wrow = (base + weights_offset + tok * (TOPK * 4)).to(tl.pointer_type(tl.float32))
+                for k in tl.static_range(TOPK):
+                    dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k)
+                    if dest >= 0:
+                        tl.store(row_weights + dest, tl.load(wrow + k))
     else:
         num_rows = tl.load(num_rows_ptr)
         start = (pid - num_pull_progs) * rows_per_prog
@@ -62,6 +80,12 @@ def _pull_expand_kernel(
                 for c in range(0, width, BLOCK):
                     m = (c + cols) < width
                     tl.store(pool + tl.cast(p, tl.int64) * pool_stride + c + cols, zeros, mask=m)
+                if SCALES:
+                    scols = tl.arange(0, SBLOCK)
+                    tl.store(scales_pool + tl.cast(p, tl.int64) * num_scales + scols,
+                             tl.zeros([SBLOCK], dtype=SELEM), mask=scols < num_scales)
+                if WEIGHTS:
+                    tl.store(row_weights + p, 0.0)
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -69,20 +93,30 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def pull_expand(peer_bases, region, pool, plan, recv_per_prog: int = 4, rows_per_prog: int = 16):
+def pull_expand(peer_bases, region, pool, plan, scales_region=None, scales_pool=None, weights_region=None,
+                row_weights=None, recv_per_prog: int = 4, rows_per_prog: int = 16):
     """Pull every received (source, token) row of a symmetric region once and write it into all
-    of its pool rows; zero the live pool's padding rows. pool: local [P, width]."""
+    of its pool rows; zero the live pool's padding rows. pool: local [P, width]. Optionally in
+    the same pass: the rows' scales (scales_region -> scales_pool [P, width/128], fp8 inputs) and
+    each pool row's topk weight (weights_region, the sources' [T, K] -> row_weights [P])."""
     pool = _movable(pool)
     width = pool.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
     U, topk = plan.recv_rows.shape
     pull_progs = triton.cdiv(U, recv_per_prog)
     grid = (pull_progs + triton.cdiv(pool.shape[0], rows_per_prog),)
+    scales, weights = scales_region is not None, weights_region is not None
+    num_scales = scales_pool.shape[1] if scales else 1
     _pull_expand_kernel[grid](
         peer_bases, region.offset, region.row_bytes, pool, pool.stride(0),
         plan.recv_src, plan.recv_token, plan.recv_rows, plan.num_recv, plan.row_recv, plan.num_rows,
         width, recv_per_prog, rows_per_prog, pull_progs,
-        TOPK=topk, ELEM=_TL_DTYPES[pool.dtype], BLOCK=block, num_warps=4,
+        scales_region.offset if scales else 0, scales_region.row_bytes if scales else 0,
+        scales_pool if scales else pool, num_scales,
+        weights_region.offset if weights else 0, row_weights if weights else pool,
+        TOPK=topk, ELEM=_TL_DTYPES[pool.dtype], BLOCK=block,
+        SCALES=scales, SELEM=_TL_DTYPES[scales_pool.dtype] if scales else tl.float32,
+        SBLOCK=triton.next_power_of_2(num_scales), WEIGHTS=weights, num_warps=4,
     )
 
 
