@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -313,8 +314,12 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         records = report.metrics.records
         wall = time.perf_counter() - run_start
         tps = summary["tokens_per_s"]
+        # the first steps carry compilation and allocator warm-up: give the steady rate beside the mean
+        warm = min(5, len(records) // 4)
+        steady = statistics.median(r["tokens_per_s"] for r in records[warm:])
         print(f"[megamoe-train] {'done' if last == steps else 'stopped (train.stop_at)'}: steps {start_step + 1}..{last} in {wall:.1f} s "
-              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
+              f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
               f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {report.metrics.path} | plot {report.plot_path}", flush=True)
         if summary["peak_memory_gib"]:
             print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)

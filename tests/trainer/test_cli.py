@@ -135,6 +135,7 @@ def test_train_checkpoint_resume(tmp_path):
     code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "6", "--stop-at", "4", "--set", "run.save_every=2"])
     assert code == 0, out + err
     assert "step     4/6" in out and "checkpoint saved" in out and "stopped (train.stop_at)" in out, out
+    assert "median after the first 1:" in out, out  # the steady rate beside the mean with warm-up
     assert "Traceback" not in err, err
     first = _metrics(run)
     assert [r["step"] for r in first] == [1, 2, 3, 4]
