@@ -181,6 +181,11 @@ def wgrad_acc_case(groups, rows_per_group, m, n, dev):
     return times, errors
 
 
+def _detail(label: str, times: dict, errors: dict) -> str:
+    """One line of the closing list: every configuration's time and error of a case."""
+    return f"{label}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="S1,S2,S3,S4")
@@ -217,7 +222,7 @@ def main():
                 floor = 2.0 * m * n * k / fp8_peak / 1e9
                 print(f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | {best(times, 'triton_fp8', tf)} | "
                       f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {best(times, 'torch_fp8_rowwise', tf)} | {floor:.3f} |", flush=True)
-                details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+                details.append(_detail(f"{shape} {name}", times, errors))
                 torch.cuda.empty_cache()
     if "wgrad" in gemms:
         print("\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | torch bf16 ms (TF/s) | speedup | "
@@ -232,7 +237,7 @@ def main():
             out_floor = groups * m * n * 2 / write_gbs / 1e6
             print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
                   f"{best(times, 'torch_bf16', tf)} | {speedup} | {flops / fp8_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
-            details.append(f"{shape} {name}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+            details.append(_detail(f"{shape} {name}", times, errors))
             torch.cuda.empty_cache()
     if "wgrad_acc" in gemms:
         print("\n| shape | wgrad into fp32 main_grad | G x M x N, rows per expert | CUTLASS fused ms (TF/s) best | "
@@ -247,7 +252,7 @@ def main():
             print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
                   f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
                   f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
-            details.append(f"{shape} {name} acc: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()))
+            details.append(_detail(f"{shape} {name} acc", times, errors))
             torch.cuda.empty_cache()
     print("\n# every configuration (ms, relative error against the float product of the same operands)")
     print("\n".join(details))

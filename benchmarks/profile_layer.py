@@ -57,14 +57,19 @@ def _is_sleep(name: str) -> bool:  # torch.cuda._sleep's kernel, not the layer's
     return "spin_kernel" in name
 
 
-def _busy_summary(prof) -> str:
-    """Kernel launches, summed kernel time and the union of kernel intervals over the profiled
-    window: where the GPU waits on the host (launch-bound) rather than on its kernels."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
+def _cuda_spans(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of the profiled kernels and copies, in start order (no sleep)."""
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and not _is_sleep(e.name)
     )
+
+
+def _busy_summary(prof) -> str:
+    """Kernel launches, summed kernel time and the union of kernel intervals over the profiled
+    window: where the GPU waits on the host (launch-bound) rather than on its kernels."""
+    spans = [(s, e) for s, e, _ in _cuda_spans(prof)]
     if not spans:
         return "no CUDA kernels profiled"
     busy, cur_s, cur_e = 0.0, *spans[0]
@@ -82,11 +87,7 @@ def _busy_summary(prof) -> str:
 
 def _timeline(prof) -> str:
     """Kernels / copies of the profiled window in start order: offset, duration, idle gap before."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not _is_sleep(e.name)
-    )
+    spans = _cuda_spans(prof)
     if not spans:
         return "no CUDA kernels profiled"
     t0, end, lines = spans[0][0], spans[0][0], ["  start us   dur us   gap us  kernel"]

@@ -79,27 +79,28 @@ def _gather_expert_load(model, dev: torch.device, stock: StockRouterLoad | None 
     # replicas of the same experts (expert data parallel) saw different tokens: sum them
     if parallel_state.get_expert_data_parallel_world_size() > 1:
         dist.all_reduce(local, group=parallel_state.get_expert_data_parallel_group())
+    return _all_gather_ep(local, dim=1)  # EP ranks hold contiguous expert ranges, in rank order
+
+
+def _all_gather_ep(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Every expert-parallel rank's `t`, concatenated along `dim` in rank order (enqueued, no host sync)."""
+    from megatron.core import parallel_state
+
     ep_group = parallel_state.get_expert_model_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
-    dist.all_gather(parts, local, group=ep_group)
-    return torch.cat(parts, dim=1)  # EP ranks hold contiguous expert ranges, in rank order
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, t, group=ep_group)
+    return torch.cat(parts, dim=dim)
 
 
 def _gather_peer_wait(model, previous: torch.Tensor | None):
     """(ns every expert-parallel rank's MegaMoE barriers waited for peers since `previous`, int64
     [EP] on the device, or None without MegaMoE layers; the new snapshot). No host sync."""
-    from megatron.core import parallel_state
-
     from megatron_patch import get_peer_wait_ns
 
     now = get_peer_wait_ns(model)
     if now is None:
         return None, previous
-    waited = now - previous if previous is not None else now
-    ep_group = parallel_state.get_expert_model_parallel_group()
-    parts = [torch.empty_like(waited) for _ in range(dist.get_world_size(ep_group))]
-    dist.all_gather(parts, waited, group=ep_group)
-    return torch.cat(parts), now
+    return _all_gather_ep(now - previous if previous is not None else now), now
 
 
 class PendingStep:
