@@ -9,8 +9,9 @@ pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 ro
 - fwd (forward and dgrad, row-grouped): forward L1 (N=2I, K=H) and L2 (N=H, K=I), and the
   backward dgrads L2 (N=I, K=H) and L1 (N=H, K=2I). TFLOP/s count 2*M*N*K useful FLOPs.
 - wgrad (K-grouped, out [G, M, N]): W2 grad (M=H, N=I) and W1 grad (M=2I, N=H), K = each expert's
-  pool rows; our fp8 kernel (cutlass_gemm.fp8_wgrad_grouped_gemm, every variant and swizzle) vs
-  torch._grouped_mm bf16 2-D x 2-D with offs (what the executor runs now). TFLOP/s count
+  pool rows; our fp8 kernel (cutlass_gemm.fp8_wgrad_grouped_gemm) and our bf16 kernel on the pool
+  operands as stored (cutlass_gemm.bf16_wgrad_grouped_gemm), every variant and swizzle, vs
+  torch._grouped_mm bf16 2-D x 2-D with offs. TFLOP/s count
   2*M*N*rows; next to the FLOPs floor the output floor: G*M*N*2 bytes at the measured write rate.
 - wgrad_acc (the same two wgrads, accumulated into an fp32 main_grad [G, M, N], as a training step
   with gradient-accumulation fusion does): our bf16 CUTLASS GEMM adding in its epilogue
@@ -114,8 +115,8 @@ def case(name, groups, rows_per_group, n, k, dgrad, dev):
 
 
 def wgrad_case(groups, rows_per_group, m, n, dev):
-    """One K-grouped wgrad GEMM, out[g] = A_t[:, rows of g] @ B_t[:, rows of g]^T, for our fp8
-    kernel's every configuration and torch's bf16 grouped GEMM; returns ({label: ms}, errors)."""
+    """One K-grouped wgrad GEMM, out[g] = A_t[:, rows of g] @ B_t[:, rows of g]^T, for our fp8 and
+    bf16 kernels' every configuration and torch's bf16 grouped GEMM; returns ({label: ms}, errors)."""
     p = groups * rows_per_group
     ends = (torch.arange(1, groups + 1, device=dev) * rows_per_group).to(torch.int32)
     # the pool's rows as the executor holds them ([P, M]: e.g. dY rows, [P, N]: activations)
@@ -142,6 +143,13 @@ def wgrad_case(groups, rows_per_group, m, n, dev):
                 label = f"cutlass_fp8 v{variant} s{swizzle}"
                 times[label] = bench(lambda: cutlass_gemm.fp8_wgrad_grouped_gemm(a_tq, a_ts, b_tq, b_ts, ends, out, variant, swizzle))
                 errors[label] = err(out, ref)
+        for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
+            for swizzle in SWIZZLES:
+                label = f"cutlass_bf16 v{variant} s{swizzle}"
+                out.fill_(float("nan"))
+                cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, out, variant, swizzle)
+                errors[label] = err(out, ref_bf16)
+                times[label] = bench(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, out, variant, swizzle))
         del out
     got = torch._grouped_mm(a.t(), b, offs=ends)
     errors["torch_bf16"] = err(got, ref_bf16)
@@ -225,18 +233,19 @@ def main():
                 details.append(_detail(f"{shape} {name}", times, errors))
                 torch.cuda.empty_cache()
     if "wgrad" in gemms:
-        print("\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | torch bf16 ms (TF/s) | speedup | "
-              "fp8 FLOPs floor ms | output floor ms |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        print("\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | CUTLASS bf16 ms (TF/s) best config | "
+              "torch bf16 ms (TF/s) | bf16 speedup | fp8 FLOPs floor ms | bf16 FLOPs floor ms | output floor ms |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape, name, groups, rows, m, n in wgrad_shapes(args.shapes, args.ep):
             times, errors = wgrad_case(groups, rows, m, n, dev)
             flops = 2.0 * groups * rows * m * n
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
-            ours = min((v for key, v in times.items() if key.startswith("cutlass_fp8")), default=None)
+            ours = min((v for key, v in times.items() if key.startswith("cutlass_bf16")), default=None)
             speedup = f"{times['torch_bf16'] / ours:.2f}x" if ours else "-"
             out_floor = groups * m * n * 2 / write_gbs / 1e6
             print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
-                  f"{best(times, 'torch_bf16', tf)} | {speedup} | {flops / fp8_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
+                  f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {speedup} | "
+                  f"{flops / fp8_peak / 1e9:.3f} | {flops / bf16_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
             details.append(_detail(f"{shape} {name}", times, errors))
             torch.cuda.empty_cache()
     if "wgrad_acc" in gemms:

@@ -23,7 +23,7 @@ from megamoe_train import MegaMoEConfig
 from megamoe_train.backends import triton_kernels as K_
 from megamoe_train.backends.reference import PoolInputs as RefPoolInputs
 from megamoe_train.backends.reference import ReferenceExecutor
-from megamoe_train.backends.triton_backend import PoolInputs, TritonExecutor
+from megamoe_train.backends.triton_backend import PoolGrad, PoolInputs, TritonExecutor
 from megamoe_train.expert_math import swiglu, swiglu_backward
 from megamoe_train.plan import build_plan
 from megamoe_train.precision import RECIPES
@@ -226,7 +226,7 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
         raise AssertionError("the fp8 backward read the bf16 compute copies")
 
     weights.compute_copies = no_compute_copies  # this object only (instance attribute)
-    got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, pool_grad)]
+    got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, PoolGrad(pool_grad))]
 
     def oracle(**formats):
         """The reference backward under the fp8 recipe with these gradient formats (registered for this call only)."""
@@ -318,6 +318,25 @@ def check_pull_inputs(device, recipe: str):
     if scales:
         assert torch.equal(s_pool[:live].cpu(), want_s[:live]), "pulled scales"
     assert torch.equal(w_pool[:live].cpu(), want_w[:live]), "row weights"
+    if not cfg.precision.quantized_dgrad:
+        return
+    # dY's pull with the fp8 dgrad's quantization in the same pass: rows bit for bit, and the
+    # e4m3 rows and scales of quant.quantize_act (quantize_rows' bits) of the rows, padding included
+    grads = [torch.randn(T, H, generator=g).to(torch.bfloat16) * (r + 1) for r in range(R)]
+    for r in range(R):
+        view(r, "grad_y").copy_(grads[r])
+    want_g = torch.zeros(P, H, dtype=torch.bfloat16)
+    for p in range(live):
+        if u[p] >= 0:
+            want_g[p] = grads[int(src[u[p]])][int(tok[u[p]])]
+    want_q, want_qs = quantize_act(want_g[:live], cfg.precision)
+    g_pool = nans(P, H, device=device).to(torch.bfloat16)
+    q_pool = torch.full((P, H), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    qs_pool = nans(P, H // 128, device=device)
+    K_.pull_expand(bases, regions["grad_y"], g_pool, plan, quant_pool=q_pool, quant_scales=qs_pool)
+    assert torch.equal(g_pool[:live].cpu(), want_g[:live]), "pulled dY rows"
+    assert torch.equal(q_pool[:live].cpu().view(torch.uint8), want_q.view(torch.uint8)), "dY e4m3 rows"
+    assert torch.equal(qs_pool[:live].cpu(), want_qs), "dY scales"
 
 
 def run_all(device) -> dict:

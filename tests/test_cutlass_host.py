@@ -59,15 +59,19 @@ def test_wgrad_rejects_bad_operands_before_touching_a_device(args, message):
         cutlass_gemm.fp8_wgrad_grouped_gemm(*args)
 
 
-def acc_operands(m=256, n=384, p=1040, groups=4):
+def acc_operands(m=256, n=384, p=1040, groups=4, out_dtype=torch.float32):
     a = torch.zeros(p, m, dtype=torch.bfloat16)
     b = torch.zeros(p, n, dtype=torch.bfloat16)
     ends = torch.tensor([256, 256, 640, 1040][:groups], dtype=torch.int32)
-    return [a, b, ends, torch.zeros(groups, m, n)]
+    return [a, b, ends, torch.zeros(groups, m, n, dtype=out_dtype)]
 
 
 def bad_acc_case(index, value):
     return bad_case(index, value, acc_operands)
+
+
+def bad_store_case(index, value):
+    return bad_case(index, value, lambda: acc_operands(out_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(
@@ -88,6 +92,20 @@ def bad_acc_case(index, value):
 def test_wgrad_accumulate_rejects_bad_operands_before_touching_a_device(args, message):
     with pytest.raises(ValueError, match=message):
         cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(*args)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (bad_store_case(0, torch.zeros(1040, 256)), "a must be a contiguous torch.bfloat16"),
+        (bad_store_case(3, torch.zeros(4, 256, 384)), "out must be a contiguous torch.bfloat16"),
+        (bad_store_case(3, torch.zeros(4, 384, 256, dtype=torch.bfloat16)), "out must be .* shape \\[4, 256, 384\\]"),
+        (acc_operands(out_dtype=torch.bfloat16), "must be CUDA tensors"),
+    ],
+)
+def test_wgrad_store_rejects_bad_operands_before_touching_a_device(args, message):
+    with pytest.raises(ValueError, match=f"bf16_wgrad_grouped_gemm: .*{message}"):
+        cutlass_gemm.bf16_wgrad_grouped_gemm(*args)
 
 
 needs_extension = pytest.mark.skipif(cutlass_gemm._cuda is None, reason="megamoe_train._cuda not built")
@@ -122,10 +140,12 @@ def test_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message
         (4, 256, 256, 1024, 7, "unknown bf16 wgrad variant"),
     ],
 )
-def test_wgrad_accumulate_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message):
-    with pytest.raises(RuntimeError, match=f"bf16_wgrad_grouped_gemm_accumulate: {message}"):
-        cutlass_gemm._cuda.bf16_wgrad_grouped_gemm_accumulate(0, 0, 0, 0, groups, m, n, p, variant, 1, 0, 0, 0, 0)
-    assert cutlass_gemm._cuda.BF16_WGRAD_VARIANTS == 2
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_bf16_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message, accumulate):
+    name = "bf16_wgrad_grouped_gemm_accumulate" if accumulate else "bf16_wgrad_grouped_gemm"
+    with pytest.raises(RuntimeError, match=f"{name}: {message}"):
+        cutlass_gemm._cuda.bf16_wgrad_grouped_gemm(0, 0, 0, 0, groups, m, n, p, accumulate, variant, 1, 0, 0, 0, 0)
+    assert cutlass_gemm._cuda.BF16_WGRAD_VARIANTS == 3
 
 
 def _toolchain():

@@ -129,7 +129,7 @@ def test_rejects_bad_operands():
 
 @needs_cutlass
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("variant", range(getattr(cutlass_gemm._cuda, "BF16_VARIANTS", 1)))
 def test_bf16_matches_float_product(b_layout, variant):
     sizes, n, k = [128, 0, 48, 256, 16, 0, 200], 384, 256  # any group sizes, empty groups
     dev = torch.device("cuda", 0)
@@ -405,3 +405,67 @@ def test_bf16_wgrad_accumulate_rejects_bad_operands():
         cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends.long(), out)
     with pytest.raises(ValueError, match="a must"):
         cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a.t(), b, ends, out)
+
+
+# ----------------------------------------------------------------------------- bf16 wgrad stored bf16
+
+
+@needs_cutlass
+@pytest.mark.parametrize("variant", ACC_VARIANTS)
+@pytest.mark.parametrize(
+    "sizes,m,n",
+    [
+        ([48, 0, 16, 512, 256, 0, 1040, 128], 256, 384),  # skewed, empty, 16-row groups, ragged last K tile
+        ([0, 256, 112, 0, 640, 384, 128, 256, 0, 512], 1024, 512),  # W1-like (M = 2I), first expert empty
+        ([4096, 2048], 512, 2048),  # deep groups
+        ([(g % 3) * 16 for g in range(130)], 128, 128),  # many small experts
+    ],
+)
+def test_bf16_wgrad_stores_bf16(sizes, m, n, variant):
+    a, b, ends, _, _ = make_acc_case(sizes, m, n, seed=len(sizes) + variant)
+    G = len(sizes)
+    full = torch.full((G + 2, m, n), 7.0, dtype=torch.bfloat16, device=a.device)
+    out = full[1:-1]
+    out.fill_(float("nan"))  # poisoned: every expert's gradient must be written, empty ones as zeros
+    cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, out, variant=variant)
+    torch.cuda.synchronize()
+    assert (full[0] == 7.0).all() and (full[-1] == 7.0).all(), "wrote outside out"
+    ref = acc_reference(torch.zeros(G, m, n, device=a.device), a, b, ends)
+    sizes_now = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    for g, size in enumerate(sizes_now):
+        if size == 0:
+            assert (out[g] == 0).all(), f"empty expert {g} must get zeros"
+            continue
+        assert not torch.isnan(out[g]).any(), f"expert {g} unwritten or read the NaN tail"
+        diff = out[g].double() - ref[g]  # one bf16 rounding of an fp32 sum: ~2^-9 relative
+        assert float(diff.norm() / ref[g].norm()) < 4e-3, f"expert {g}"
+        assert float((diff.norm(dim=1) / ref[g].norm(dim=1)).max()) < 8e-3, f"expert {g}: a row is off"
+    again = torch.full_like(out, float("nan"))
+    cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, again, variant=variant)
+    assert torch.equal(out, again), "not bitwise repeatable"
+
+
+@needs_cutlass
+def test_bf16_wgrad_store_graph_replay_and_bad_ends():
+    m, n = 256, 256
+    a, b, ends, _, _ = make_acc_case([256, 0, 256, 256], m, n, seed=11)
+    out = torch.full((4, m, n), float("nan"), dtype=torch.bfloat16, device=a.device)
+    graph = captured(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, out))
+    ends.copy_(torch.tensor([128, 384, 384, 768], device=a.device, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = acc_reference(torch.zeros(4, m, n, device=a.device), a, b, ends)
+    assert (out[2] == 0).all()
+    for g in (0, 1, 3):
+        assert float((out[g].double() - ref[g]).norm() / ref[g].norm()) < 4e-3
+    # a range past the pool is not computed and reads as NaN; the others are right, no fault
+    p = a.shape[0]
+    bad = torch.tensor([256, 256, p + 16, p + 32], dtype=torch.int32, device=a.device)
+    out.zero_()
+    cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, bad, out)
+    torch.cuda.synchronize()
+    ref = acc_reference(torch.zeros(2, m, n, device=a.device), a, b, bad[:2])
+    assert float((out[0].double() - ref[0]).norm() / ref[0].norm()) < 4e-3
+    assert (out[1] == 0).all()
+    assert torch.isnan(out[2:]).all()

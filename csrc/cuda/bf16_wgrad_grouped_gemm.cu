@@ -1,11 +1,17 @@
-// bf16 weight-gradient grouped GEMM accumulated into fp32 (grouped_gemm.h, depth-grouped):
-// D[g] += A[rows of g]^T @ B[rows of g] with A = the pool's output gradients [P, M] and B = the
-// pool's inputs [P, N], both read by TMA as stored (16-bit wgmma takes M- or N-major tiles), and
-// D[g] an fp32 [M, N] gradient accumulator such as Megatron's main_grad.
+// bf16 weight-gradient grouped GEMMs (grouped_gemm.h, depth-grouped): D[g] = A[rows of g]^T @
+// B[rows of g] with A = the pool's output gradients [P, M] and B = the pool's inputs [P, N], both
+// read by TMA as stored (16-bit wgmma takes M- or N-major tiles). Two outputs:
+// - stored: D[g] bf16 [M, N] (fp32 accumulation, rounded once);
+// - accumulated: D[g] fp32 [M, N] += the product, e.g. Megatron's main_grad. Folding the
+//   accumulation into the epilogue replaces a bf16 gradient write (2 bytes per weight) plus a
+//   separate main_grad += grad pass (2 + 4 + 4 bytes) by the epilogue's fp32 read and write
+//   (8 bytes), and keeps the product unrounded (NOTES.md).
 //
-// Folding the accumulation into the epilogue replaces a bf16 gradient write (2 bytes per
-// weight) plus a separate main_grad += grad pass (2 + 4 + 4 bytes) by the epilogue's fp32 read
-// and write (8 bytes), and keeps the product unrounded (NOTES.md).
+// An expert's K is only its few hundred pool rows, so a tile finishes after a handful of K steps
+// and its epilogue (convert, stage, store) is a large share of its time. The ping-pong variants
+// give each consumer warpgroup its own tile and let them take turns, so one tile's epilogue runs
+// under the other's MMAs; the cooperative ones put both warpgroups on one tile and the tensor
+// cores wait while it is written.
 #include "grouped_gemm_impl.cuh"
 
 namespace megamoe {
@@ -17,28 +23,54 @@ using detail::GroupedGemm;
 using BF16 = cutlass::bfloat16_t;
 using MK = cutlass::layout::ColumnMajor;  // A [M, K] with M contiguous: the pool [P, M] itself
 using KN = cutlass::layout::RowMajor;     // B as [K, N] with N contiguous: the pool [P, N] itself
-using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+using Cooperative = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using CooperativeEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+using Pingpong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
-// 0: 128x128x64, 1x2 cluster (A tile multicast to neighbouring N tiles);
-// 1: 128x256x64, no cluster: half the tiles, twice the fp32 epilogue per tile.
-using V0 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Schedule, Epi, GroupedDim::kDepth, MK, float>;
-using V1 = GroupedGemm<BF16, KN, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Schedule, Epi, GroupedDim::kDepth, MK, float>;
+// The same three configurations for both outputs (ElementD: bf16 stored, float accumulated):
+// 0: cooperative 128x128x64, 1x2 cluster (A tile multicast to neighbouring N tiles);
+// 1: cooperative 128x256x64, no cluster: half the tiles, twice the epilogue per tile;
+// 2: ping-pong 128x128x64 per warpgroup, 1x2 cluster.
+template <class ElementD>
+using V0 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
+                       MK, ElementD>;
+template <class ElementD>
+using V1 = GroupedGemm<BF16, KN, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
+                       MK, ElementD>;
+template <class ElementD>
+using V2 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Pingpong, PingpongEpi, GroupedDim::kDepth, MK,
+                       ElementD>;
 
-}  // namespace
-
-int bf16_wgrad_grouped_gemm_variants() { return 2; }
-
-size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, int device) {
-  return variant == 1 ? V1::workspace_bytes(num_groups, device) : V0::workspace_bytes(num_groups, device);
+template <class ElementD>
+size_t workspace_bytes(int num_groups, int variant, int device) {
+  switch (variant) {
+    case 1: return V1<ElementD>::workspace_bytes(num_groups, device);
+    case 2: return V2<ElementD>::workspace_bytes(num_groups, device);
+    default: return V0<ElementD>::workspace_bytes(num_groups, device);
+  }
 }
 
-const char* bf16_wgrad_grouped_gemm_accumulate(const GroupedGemmArgs& args) {
+template <class ElementD>
+const char* run(const GroupedGemmArgs& args) {
   switch (args.variant) {
-    case 0: return V0::run(args);
-    case 1: return V1::run(args);
+    case 0: return V0<ElementD>::run(args);
+    case 1: return V1<ElementD>::run(args);
+    case 2: return V2<ElementD>::run(args);
     default: return "unknown bf16 wgrad variant";
   }
 }
+
+}  // namespace
+
+int bf16_wgrad_grouped_gemm_variants() { return 3; }
+
+size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, bool accumulate, int device) {
+  return accumulate ? workspace_bytes<float>(num_groups, variant, device) : workspace_bytes<BF16>(num_groups, variant, device);
+}
+
+const char* bf16_wgrad_grouped_gemm(const GroupedGemmArgs& args) { return run<BF16>(args); }
+
+const char* bf16_wgrad_grouped_gemm_accumulate(const GroupedGemmArgs& args) { return run<float>(args); }
 
 }  // namespace megamoe

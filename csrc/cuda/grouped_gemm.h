@@ -6,7 +6,7 @@
 //   rows past group_ends[G-1] are left untouched;
 // - depth-grouped (wgrad): the rows are the K of group g's product of two pool-transposed
 //   operands, D[g] = A_t[:, rows] @ B_t[:, rows]^T (fp8), or of the pool operands themselves,
-//   D[g] += A[rows]^T @ B[rows] (bf16, fp32 D accumulated into); pool rows past
+//   D[g] = A[rows]^T @ B[rows] (bf16, bf16 D stored or fp32 D accumulated into); pool rows past
 //   group_ends[G-1] are not read.
 // group_ends lives on the device and is read there, so a call never waits for the host and can
 // be captured in a CUDA graph.
@@ -28,7 +28,7 @@ struct GroupedGemmArgs {
   const float* a_scales;      // fp8 only: fp32 [M_total, K/128] / [M, P/128], one per row per 128-deep K block
   const void* b;              // [G, N, K] or [G, K, N] (see BLayout) / e4m3 [N, P] or bf16 [P, N]
   const float* b_scales;      // fp8 only: fp32 [G, N/128, K/128], one per 128x128 block / [N, P/128] like A's
-  void* d;                    // bf16 [M_total, N] / bf16 (fp8) or fp32 (bf16) [G, M, N], row-major
+  void* d;                    // bf16 [M_total, N] / bf16, or fp32 when accumulating, [G, M, N], row-major
   const int32_t* group_ends;  // int32 [G], cumulative pool-row ends
   int num_groups;
   int m;                      // depth-grouped only: rows of each group's D
@@ -47,7 +47,7 @@ struct GroupedGemmArgs {
 size_t fp8_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
 size_t fp8_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
 size_t bf16_grouped_gemm_workspace_bytes(int num_groups, int variant, BLayout b_layout, int device);
-size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
+size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, bool accumulate, int device);
 
 // fp8: D[rows of g] = (A[rows] * a_scales) @ (B[g] * b_scales)^T, 1x128 / 128x128 block scales
 // applied per 128-deep K step in fp32 (DeepSeek-V3's recipe); B is [N, K] (kNK) only.
@@ -57,13 +57,16 @@ size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, int 
 // operands applied per 128-deep K step in fp32. group_ends must be multiples of 128,
 // nondecreasing and <= P; an empty group's D[g] is zero, and a group breaking those rules is
 // not computed and its D[g] is NaN (the sizes live on the device: nothing is checked on the host).
-// bf16 wgrad (depth-grouped, accumulating): D[g] += A[rows of g]^T @ B[rows of g] in fp32, A the
-// pool [P, M] and B the pool [P, N] (bf16, as stored), D fp32 [G, M, N]. A group with no rows, or
-// whose range is not inside [0, P], is not computed: its D[g] is left as it was.
+// bf16 wgrad (depth-grouped): D[g] = A[rows of g]^T @ B[rows of g] with fp32 accumulation, A the
+// pool [P, M] and B the pool [P, N] (bf16, as stored), D bf16 [G, M, N]; an empty group's D[g] is
+// zero and one whose range is not inside [0, P] is not computed and gets NaN.
+// Accumulating: D fp32 [G, M, N] += the product (unrounded); a group with no rows, or whose range
+// is not inside [0, P], is not computed: its D[g] is left as it was.
 // All return an empty string on success, else what went wrong.
 const char* fp8_grouped_gemm(const GroupedGemmArgs& args);
 const char* bf16_grouped_gemm(const GroupedGemmArgs& args);
 const char* fp8_wgrad_grouped_gemm(const GroupedGemmArgs& args);
+const char* bf16_wgrad_grouped_gemm(const GroupedGemmArgs& args);
 const char* bf16_wgrad_grouped_gemm_accumulate(const GroupedGemmArgs& args);
 
 // Number of compiled variants of each (index 0 is the default).

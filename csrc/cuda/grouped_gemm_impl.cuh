@@ -76,9 +76,10 @@ struct StridedScalesMainloop : Base {
 // Depth-grouped, two kinds:
 // - fp8: both operands K-major (what fp8 wgmma reads), pool-transposed, 1x128 scales on both;
 //   bf16 D[g] is written;
-// - bf16 accumulating: both operands the pool itself ([P, M] and [P, N], M and N contiguous:
-//   LayoutA ColumnMajor, LayoutB RowMajor; 16-bit wgmma reads either major), and D[g] fp32 is
-//   accumulated into (D += A^T B: C is D, beta = 1), e.g. a parameter's fp32 main_grad.
+// - bf16: both operands the pool itself ([P, M] and [P, N], M and N contiguous: LayoutA
+//   ColumnMajor, LayoutB RowMajor; 16-bit wgmma reads either major); D[g] bf16 is written, or
+//   (ElementD float) D[g] fp32 is accumulated into (D += A^T B: C is D, beta = 1), e.g. a
+//   parameter's fp32 main_grad.
 template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule,
           GroupedDim kGroupedDim = GroupedDim::kRows, class LayoutA_ = cutlass::layout::RowMajor,
           class ElementD_ = cutlass::bfloat16_t>
@@ -90,8 +91,8 @@ struct GroupedGemm {
   static_assert(!kDepthGrouped || (kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::ColumnMajor> &&
                                    std::is_same_v<LayoutA_, cutlass::layout::RowMajor> && !kAccumulate) ||
                     (!kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::RowMajor> &&
-                     std::is_same_v<LayoutA_, cutlass::layout::ColumnMajor> && kAccumulate),
-                "depth-grouped GEMMs: fp8 with both operands K-major, or bf16 pool operands accumulated into fp32");
+                     std::is_same_v<LayoutA_, cutlass::layout::ColumnMajor>),
+                "depth-grouped GEMMs: fp8 with both operands K-major, or bf16 pool operands (stored or accumulated)");
   static_assert(kDepthGrouped || (std::is_same_v<LayoutA_, cutlass::layout::RowMajor> && !kAccumulate),
                 "row-grouped GEMMs read A row-major and write bf16");
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
@@ -234,6 +235,17 @@ CUTE_HOST_DEVICE bool depth_range_valid(int64_t start, int64_t end, int64_t p) {
 
 CUTE_HOST_DEVICE int64_t group_start(const int32_t* group_ends, int g) { return g == 0 ? 0 : group_ends[g - 1]; }
 
+// Whether a depth-grouped GEMM can use pool rows [start, end) as a group's K: fp8 needs whole
+// scale blocks, bf16 only a range inside the pool.
+template <class G>
+CUTE_HOST_DEVICE bool depth_range_usable(int64_t start, int64_t end, int64_t p) {
+  if constexpr (G::kBlockScaled) {
+    return depth_range_valid(start, end, p);
+  } else {
+    return start >= 0 && start <= end && end <= p;
+  }
+}
+
 // Group g's entries of the argument arrays: its row range from group_ends, then every pointer,
 // stride and layout CUTLASS reads for it. 64-bit offsets throughout (pools past 2^31 elements).
 // Row-grouped: rows [start, end) of A and D times B[g] ([N, K] or [K, N]), problem (rows, n, k).
@@ -267,15 +279,16 @@ CUTE_HOST_DEVICE void fill_group_entry(typename G::GroupArrays const& arr, const
   arr.stride_b[g] = sb;
   arr.stride_d[g] = sd;
   if constexpr (G::kDepthGrouped && !G::kBlockScaled) {
-    // accumulating: a group with no rows (or a bad range) adds nothing, so it gets no tiles
-    bool live = start >= 0 && start < end && end <= k;
+    // a group with no rows (or a bad range) gets no tiles: accumulating, it adds nothing; storing,
+    // fill_skipped_groups writes its D[g]
+    bool live = start < end && depth_range_usable<G>(start, end, k);
     int64_t offset = live ? start : 0;
     arr.shapes[g] = typename G::GroupShape(live ? m : 0, n, live ? static_cast<int>(end - start) : 0);
     arr.a[g] = static_cast<const ElementAB*>(a) + offset * m;
     arr.b[g] = static_cast<const ElementAB*>(b) + offset * n;
     arr.d[g] = static_cast<typename G::ElementD*>(d) + static_cast<int64_t>(g) * m * n;
   } else if constexpr (G::kDepthGrouped) {
-    bool live = start < end && depth_range_valid(start, end, k);
+    bool live = start < end && depth_range_usable<G>(start, end, k);
     int depth = live ? static_cast<int>(end - start) : 0;
     arr.shapes[g] = typename G::GroupShape(live ? m : 0, n, depth);
     int64_t offset = live ? start : 0;  // a skipped group's pointers stay inside the operands
@@ -314,7 +327,7 @@ __global__ void fill_group_arrays(typename G::GroupArrays arr, const int32_t* gr
   if (g < num_groups) fill_group_entry<G>(arr, group_ends, g, m, n, k, a, sfa, b, sfb, d);
 }
 
-// Depth-grouped: the output D[g] (m x n bf16) of every group the GEMM gives no tiles. An expert
+// Depth-grouped, storing bf16: the output D[g] (m x n) of every group the GEMM gives no tiles. An expert
 // that received no rows has a zero gradient; a bad range gets NaN, so it cannot pass for one.
 // blockIdx.y is the group; the blocks of computed groups exit at once.
 template <class G>
@@ -323,8 +336,9 @@ __global__ void fill_skipped_groups(const int32_t* group_ends, int64_t group_ele
   int g = blockIdx.y;
   int64_t start = group_start(group_ends, g);
   int64_t end = group_ends[g];
-  bool empty = start == end && depth_range_valid(start, end, p);
-  if (start < end && depth_range_valid(start, end, p)) return;
+  bool usable = depth_range_usable<G>(start, end, p);
+  bool empty = start == end && usable;
+  if (start < end && usable) return;
   uint16_t bits = empty ? 0x0000 : 0x7fc0;  // bf16 zero or quiet NaN
   uint32_t pair = bits | (static_cast<uint32_t>(bits) << 16);
   uint4 fill = make_uint4(pair, pair, pair, pair);

@@ -7,8 +7,9 @@ stores bf16; rows past group_ends[-1] are left untouched.
 - bf16: b as [G, N, K] ("nk", the forward's x @ W^T) or [G, K, N] ("kn", the dgrad's dY @ W).
 Weight gradients (`fp8_wgrad_grouped_gemm`): the rows are the K of expert g's product of two
 pool-transposed operands, out[g] = a_t[:, rows] @ b_t[:, rows]^T, 1x128 scales on both; and
-(`bf16_wgrad_grouped_gemm_accumulate`) out[g] += a[rows]^T @ b[rows] in fp32 from the bf16 pool
-operands as stored, e.g. into Megatron's fp32 main_grad.
+from the bf16 pool operands as stored, out[g] = a[rows]^T @ b[rows] stored bf16
+(`bf16_wgrad_grouped_gemm`) or added in fp32 (`bf16_wgrad_grouped_gemm_accumulate`, e.g. into
+Megatron's fp32 main_grad).
 Group sizes are read on the device, so a call never syncs with the host and is capturable in a
 CUDA graph.
 
@@ -32,9 +33,13 @@ B_LAYOUTS = {"nk": 0, "kn": 1}
 # Tile configurations picked by benchmarks/bench_gemm.py (variant index, scheduler swizzle);
 # csrc/cuda/*_grouped_gemm.cu lists the variants.
 FP8_DEFAULT = (0, 1)
-BF16_DEFAULT = (0, 1)
+# bf16: 128x256 tiles in N-paired clusters, swizzle 4. In the layer it beat M-paired clusters (torch's
+# choice) at S1 and S4: routed experts get a varying number of 128-row tiles, and an odd count
+# leaves one CTA of an M pair idle (bench_layer A/B, NOTES.md).
+BF16_DEFAULT = (2, 4)
 FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
-BF16_WGRAD_DEFAULT = (0, 1)
+BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32
+BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad, NOTES.md)
 
 # (kind, device index, groups, variant, layout, stream) -> scratch for CUTLASS's per-group
 # argument arrays; per stream, so GEMMs queued on two streams never share one.
@@ -60,8 +65,8 @@ def _workspace(kind: str, device: torch.device, groups: int, variant: int, layou
             nbytes = _cuda.fp8_grouped_gemm_workspace_bytes(groups, variant, device.index)
         elif kind == "fp8_wgrad":
             nbytes = _cuda.fp8_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
-        elif kind == "bf16_wgrad":
-            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
+        elif kind in ("bf16_wgrad", "bf16_wgrad_store"):
+            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(groups, variant, kind == "bf16_wgrad", device.index)
         else:
             nbytes = _cuda.bf16_grouped_gemm_workspace_bytes(groups, variant, layout, device.index)
         ws = _WORKSPACES[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -82,7 +87,11 @@ def _require_extension(fn: str) -> None:
 
 
 # the depth-grouped (wgrad) GEMMs: (default variant, swizzle) and the extension's variant count
-_DEPTH_GROUPED = {"fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"), "bf16_wgrad": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS")}
+_DEPTH_GROUPED = {
+    "fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"),
+    "bf16_wgrad": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS"),
+    "bf16_wgrad_store": (BF16_WGRAD_STORE_DEFAULT, "BF16_WGRAD_VARIANTS"),
+}
 
 
 def _depth_grouped_launch(fn: str, kind: str, tma_operands: dict, groups: int, variant, swizzle):
@@ -201,6 +210,18 @@ def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, va
     return out
 
 
+def bf16_wgrad_grouped_gemm(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):
+    """Expert weight gradients from the bf16 pool operands, one K-grouped GEMM: for each expert g
+    with pool rows [s, e) (s = group_ends[g-1] or 0, e = group_ends[g]),
+        out[g] = a[s:e]^T @ b[s:e]        (fp32 accumulation, stored bf16)
+
+    a bf16 [P, M] (the output gradients' pool rows), b bf16 [P, N] (the inputs' pool rows), both
+    as stored (M, N multiples of 8); group_ends int32 [G], nondecreasing, at most P; out bf16
+    [G, M, N]. An expert with no rows gets zeros; group_ends is read on the device only, and a
+    group whose range is not inside [0, P] is not computed and gets NaN. Returns out."""
+    return _bf16_wgrad("bf16_wgrad_grouped_gemm", a, b, group_ends, out, variant, swizzle, accumulate=False)
+
+
 def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):
     """Expert weight gradients accumulated in fp32, one K-grouped GEMM: for each expert g with pool
     rows [s, e) (s = group_ends[g-1] or 0, e = group_ends[g]),
@@ -211,7 +232,10 @@ def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | Non
     [G, M, N] (e.g. a stacked expert weight's main_grad). An expert with no rows adds nothing;
     group_ends is read on the device only, and a group whose range is not inside [0, P] is
     skipped. Returns out."""
-    fn = "bf16_wgrad_grouped_gemm_accumulate"
+    return _bf16_wgrad("bf16_wgrad_grouped_gemm_accumulate", a, b, group_ends, out, variant, swizzle, accumulate=True)
+
+
+def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
     if a.dim() != 2 or b.dim() != 2 or group_ends.dim() != 1 or out.dim() != 3:
         raise ValueError(f"{fn}: a [P, M], b [P, N], group_ends [G] and out [G, M, N] expected, got shapes "
                          f"{list(a.shape)}, {list(b.shape)}, {list(group_ends.shape)} and {list(out.shape)}")
@@ -224,10 +248,11 @@ def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | Non
     _check(fn, "a", a, torch.bfloat16, (P, M), dev)
     _check(fn, "b", b, torch.bfloat16, (P, N), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
-    _check(fn, "out", out, torch.float32, (G, M, N), dev)
-    variant, swizzle, stream, ws = _depth_grouped_launch(fn, "bf16_wgrad", dict(a=a, b=b, out=out), G, variant, swizzle)
-    _cuda.bf16_wgrad_grouped_gemm_accumulate(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, variant, swizzle,
+    _check(fn, "out", out, torch.float32 if accumulate else torch.bfloat16, (G, M, N), dev)
+    kind = "bf16_wgrad" if accumulate else "bf16_wgrad_store"
+    variant, swizzle, stream, ws = _depth_grouped_launch(fn, kind, dict(a=a, b=b, out=out), G, variant, swizzle)
+    _cuda.bf16_wgrad_grouped_gemm(
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, accumulate, variant, swizzle,
         ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
     )
     return out

@@ -3,15 +3,17 @@
 - plan and input storage: the plan's tables in three Triton launches (triton_plan.py, plan.py's
   bits); the fp8 recipe's input rows quantized straight into the buffer (quantize_rows);
 - pull: one Triton kernel reads each received (source, token) row once over NVLink (x, its
-  fp8 scales, its topk weights; dY in backward) and writes it into every pool row of its slots;
+  fp8 scales, its topk weights; dY in backward, with an fp8 dgrad also quantized in that pass)
+  and writes it into every pool row of its slots;
 - expert MLP: L1 grouped GEMM -> fused clamp/SwiGLU/topk weight (/e4m3 requantization) -> L2
-  grouped GEMM; bf16 GEMMs are torch._grouped_mm, fp8 GEMMs our block-scaled CUTLASS kernel
-  (cutlass_gemm.py; our Triton kernel where the CUDA extension was not built); backward: with
-  the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized after the pull, dH by the SwiGLU
+  grouped GEMM; bf16 GEMMs our CUTLASS kernel (torch._grouped_mm where the CUDA extension was
+  not built), fp8 GEMMs our block-scaled CUTLASS kernel (cutlass_gemm.py; our Triton kernel
+  where the CUDA extension was not built); backward: with
+  the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized by the pull, dH by the SwiGLU
   backward, both e4m3 with 1x128 scales, against the transposed quantized weights
   ExpertWeights.w2_t / w1_t); the wgrads bf16 (fp32 accumulation) on the dequantized stored
-  activations and the unquantized gradients (with fuse_wgrad_accumulation: added into the fp32
-  accumulators by the CUTLASS GEMM's epilogue), except with recipe fp8_e4m3_wgrad: dY, dH and the
+  activations and the unquantized gradients, our CUTLASS K-grouped GEMM on the pool operands as
+  stored (with fuse_wgrad_accumulation: added into the fp32 accumulators by its epilogue), except with recipe fp8_e4m3_wgrad: dY, dH and the
   stored activations each quantized along the pool rows in 128-row blocks by quantize_tokens_t,
   transposed, into the CUTLASS K-grouped fp8 GEMM (each expert padded to 128 pool rows so no
   block spans two; measured slower than bf16, NOTES.md); with bf16 every backward GEMM is bf16;
@@ -75,10 +77,31 @@ class PoolInputs:
     row_weights: torch.Tensor
 
 
+@dataclass
+class PoolGrad:
+    """dY's pool rows: as pulled (compute dtype; the W2 wgrad reads them), and with an fp8 dgrad
+    also quantized in the same pass (e4m3 + 1x128 scales; the L2 dgrad reads them)."""
+    rows: torch.Tensor
+    q: torch.Tensor | None = None
+    q_scales: torch.Tensor | None = None
+
+
 def _grouped_mm(a, b, offs):
     """torch's grouped GEMM over expert row groups (a [P, K] x b [E, K, N], or K-grouped
     a [M, P] x b [P, N] -> [E, M, N] when both are 2-D); the output has the inputs' dtype."""
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def _bf16_grouped_gemm(a, w, plan: Plan, transposed: bool):
+    """out[rows of expert e] = a[rows] @ w[e]^T (transposed=False: w [E, N, K], the forward) or
+    a[rows] @ w[e] (transposed=True: w [E, K, N], the dgrad), bf16 with fp32 accumulation: our
+    CUTLASS kernel where built (it reads w in either layout by TMA, and beats torch's grouped GEMM
+    where torch pairs an expert's M tiles: NOTES.md), else torch's."""
+    if cutlass_gemm.available(a.device) and a.is_contiguous() and w.is_contiguous() \
+            and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
+        out = torch.empty(a.shape[0], w.shape[2] if transposed else w.shape[1], dtype=a.dtype, device=a.device)
+        return cutlass_gemm.bf16_grouped_gemm(a, w, plan.expert_ends, out, "kn" if transposed else "nk")
+    return _grouped_mm(a, w if transposed else w.transpose(1, 2), plan.expert_ends)
 
 
 def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
@@ -118,19 +141,24 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
     it (fp8_e4m3_wgrad: _fp8_wgrad; else bf16 on the dequantized activations). Without an
     accumulator it is returned (bf16 [E, ., .]); with one it is added into it and None returned:
     in the CUTLASS GEMM's epilogue (fp32, unrounded) where built and the accumulator is fp32, else
-    by an add."""
+    by an add. The bf16 product is our CUTLASS K-grouped GEMM on the pool operands as stored
+    where built (faster than torch's grouped GEMM here: NOTES.md), else torch's."""
     recipe = cfg.precision
     if recipe.quantized_wgrad:
         wgrad = _fp8_wgrad(recipe, grad, stored, stored_scales, plan)
     else:
         inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
-        epilogue = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
-                    and cutlass_gemm.available(grad.device)
-                    and all(t.data_ptr() % 16 == 0 for t in (accumulator, grad, inputs)))  # TMA needs 16-byte starts
-        if epilogue:
+        cutlass = cutlass_gemm.available(grad.device) and all(t.data_ptr() % 16 == 0 for t in (grad, inputs))  # TMA: 16-byte starts
+        if accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous() and cutlass \
+                and accumulator.data_ptr() % 16 == 0:
             cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
             return None
-        wgrad = _grouped_mm(grad.t(), inputs, plan.expert_ends)
+        if cutlass:
+            E = plan.expert_ends.shape[0]
+            wgrad = torch.empty(E, grad.shape[1], inputs.shape[1], dtype=torch.bfloat16, device=grad.device)
+            cutlass_gemm.bf16_wgrad_grouped_gemm(grad, inputs, plan.expert_ends, wgrad)
+        else:
+            wgrad = _grouped_mm(grad.t(), inputs, plan.expert_ends)
     if accumulator is None:
         return wgrad
     accumulator.add_(wgrad)
@@ -195,8 +223,16 @@ class TritonExecutor:
                        weights_region=regions["topk_weights"], row_weights=row_weights)
         return PoolInputs(x, x_scales, row_weights)
 
-    def pull_grad(self, buf: SymmBuffer, plan: Plan) -> torch.Tensor:
-        return self._pull(buf, "grad_y", plan, buf.config.dtype)
+    def pull_grad(self, buf: SymmBuffer, plan: Plan) -> PoolGrad:
+        cfg = buf.config
+        if not cfg.precision.quantized_dgrad:
+            return PoolGrad(self._pull(buf, "grad_y", plan, cfg.dtype))
+        P, H, dev = plan.pool_rows, cfg.hidden, buf.device
+        grad = PoolGrad(torch.empty(P, H, dtype=cfg.dtype, device=dev), torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
+                        torch.empty(P, H // 128, dtype=torch.float32, device=dev))
+        K_.pull_expand(buf.peer_base_ptrs, buf.layout.regions["grad_y"], grad.rows, plan, quant_pool=grad.q,
+                       quant_scales=grad.q_scales)
+        return grad
 
     def push_partials(self, buf: SymmBuffer, plan: Plan, rows: torch.Tensor, row_scalars: torch.Tensor | None = None):
         regions = buf.layout.regions
@@ -217,26 +253,30 @@ class TritonExecutor:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, align)
         else:
-            h = _grouped_mm(pool.x, weights.w1.transpose(1, 2), plan.expert_ends)
+            h = _bf16_grouped_gemm(pool.x, weights.w1, plan, transposed=False)
         K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp)
         if recipe.quantized:
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, align)
         else:
-            out = _grouped_mm(act, weights.w2.transpose(1, 2), plan.expert_ends)
+            out = _bf16_grouped_gemm(act, weights.w2, plan, transposed=False)
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor,
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: PoolGrad,
                          wgrad_accumulators=None):
+        """pool_grad: pull_grad's; without its quantized rows (q None) an fp8 dgrad quantizes them here."""
         recipe, align = cfg.precision, self.row_align(cfg)
-        P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool_grad.device
+        grad_rows = pool_grad.rows
+        P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, grad_rows.device
         grad_h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
         grad_row_w = torch.empty(P, dtype=torch.float32, device=dev)
         if recipe.quantized_dgrad:  # fp8 dgrads against the transposed quantized weights
             e4m3 = torch.float8_e4m3fn
-            grad_q = torch.empty(P, H, dtype=e4m3, device=dev)
-            grad_q_scales = torch.empty(P, H // 128, dtype=torch.float32, device=dev)
-            K_.quantize_rows(pool_grad, grad_q, grad_q_scales, plan.num_rows)
+            grad_q, grad_q_scales = pool_grad.q, pool_grad.q_scales
+            if grad_q is None:
+                grad_q = torch.empty(P, H, dtype=e4m3, device=dev)
+                grad_q_scales = torch.empty(P, H // 128, dtype=torch.float32, device=dev)
+                K_.quantize_rows(grad_rows, grad_q, grad_q_scales, plan.num_rows)
             grad_act = torch.empty(P, I, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, align)
             grad_h_q = torch.empty(P, 2 * I, dtype=e4m3, device=dev)
@@ -247,11 +287,11 @@ class TritonExecutor:
             _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, align)
         else:
             w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
-            grad_act = _grouped_mm(pool_grad, w2, plan.expert_ends)
+            grad_act = _bf16_grouped_gemm(grad_rows, w2, plan, transposed=True)
             K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
                                weights.chunk, cfg.activation_clamp)
-            grad_x_rows = _grouped_mm(grad_h, w1, plan.expert_ends)
+            grad_x_rows = _bf16_grouped_gemm(grad_h, w1, plan, transposed=True)
         acc_w1, acc_w2 = wgrad_accumulators if wgrad_accumulators is not None else (None, None)
-        grad_w2 = _expert_wgrad(cfg, plan, pool_grad, state.act, state.act_scales, acc_w2)
+        grad_w2 = _expert_wgrad(cfg, plan, grad_rows, state.act, state.act_scales, acc_w2)
         grad_w1 = _expert_wgrad(cfg, plan, grad_h, state.pool_x, state.pool_x_scales, acc_w1)
         return grad_x_rows, grad_row_w, grad_w1, grad_w2

@@ -33,16 +33,21 @@ def _pull_expand_kernel(
     recv_src, recv_token, recv_rows, num_recv_ptr, row_recv, num_rows_ptr,
     width, recv_per_prog, rows_per_prog, num_pull_progs,
     scales_offset, scales_row_bytes, scales_pool, num_scales, weights_offset, row_weights,
+    quant_pool, quant_scales,
     TOPK: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
-    SCALES: tl.constexpr, SELEM: tl.constexpr, SBLOCK: tl.constexpr, WEIGHTS: tl.constexpr,
+    SCALES: tl.constexpr, SELEM: tl.constexpr, SBLOCK: tl.constexpr, WEIGHTS: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Programs [0, num_pull_progs): each received row u is read once from rank recv_src[u]
     (row recv_token[u] of the region) and stored into pool row recv_rows[u, k] of every slot k
     it has here; with SCALES its scale row the same way (fp8 inputs), with WEIGHTS slot k's topk
-    weight into row_weights[recv_rows[u, k]]. The other programs zero the padding rows
-    (row_recv < 0) of the live pool (and their scales and weights)."""
+    weight into row_weights[recv_rows[u, k]], with QUANT the row also quantized once (e4m3 bytes
+    + one fp32 scale per 1x128 block, quantize_rows' bits) into quant_pool / quant_scales. The
+    other programs zero the padding rows (row_recv < 0) of the live pool (and their scales,
+    weights and quantized rows: quantize_rows' bits for a zero row)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    QB: tl.constexpr = BLOCK // 128  # 1x128 quantization blocks per BLOCK columns (QUANT)
+    qcols = tl.arange(0, QB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     if pid < num_pull_progs:
         num_recv = tl.load(num_recv_ptr)
         start = pid * recv_per_prog
@@ -52,11 +57,25 @@ def _pull_expand_kernel(
             base = tl.load(peer_bases + src)
             row = (base + region_offset + tok * row_bytes).to(tl.pointer_type(ELEM))
             for c in range(0, width, BLOCK):
-                m = (c + cols) < width
-                v = tl.load(row + c + cols, mask=m)
-                for k in tl.static_range(TOPK):
-                    dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
-                    tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + cols, v, mask=m & (dest >= 0))
+                if QUANT:  # the row as [QB, 128] blocks: one read for the copy and its quantization
+                    qm = (c + qcols) < width
+                    v2 = tl.load(row + c + qcols, mask=qm, other=0.0)
+                    q, qs = _e4m3_blocks(v2.to(tl.float32))
+                    q = q.to(tl.uint8, bitcast=True)
+                    sidx = c // 128 + tl.arange(0, QB)
+                    for k in tl.static_range(TOPK):
+                        dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
+                        ok = dest >= 0
+                        tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + qcols, v2, mask=qm & ok)
+                        tl.store(quant_pool + tl.maximum(dest, 0) * width + c + qcols, q, mask=qm & ok)
+                        tl.store(quant_scales + tl.maximum(dest, 0) * (width // 128) + sidx, qs,
+                                 mask=(sidx < width // 128) & ok)
+                else:
+                    m = (c + cols) < width
+                    v = tl.load(row + c + cols, mask=m)
+                    for k in tl.static_range(TOPK):
+                        dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
+                        tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + cols, v, mask=m & (dest >= 0))
             if SCALES:
                 scols = tl.arange(0, SBLOCK)
                 sm = scols < num_scales
@@ -86,6 +105,13 @@ def _pull_expand_kernel(
                              tl.zeros([SBLOCK], dtype=SELEM), mask=scols < num_scales)
                 if WEIGHTS:
                     tl.store(row_weights + p, 0.0)
+                if QUANT:
+                    zq, zs = _e4m3_blocks(tl.zeros([QB, 128], dtype=tl.float32))
+                    for c in range(0, width, BLOCK):
+                        sidx = c // 128 + tl.arange(0, QB)
+                        tl.store(quant_pool + tl.cast(p, tl.int64) * width + c + qcols, zq.to(tl.uint8, bitcast=True),
+                                 mask=(c + qcols) < width)
+                        tl.store(quant_scales + tl.cast(p, tl.int64) * (width // 128) + sidx, zs, mask=sidx < width // 128)
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -94,14 +120,21 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
 
 
 def pull_expand(peer_bases, region, pool, plan, scales_region=None, scales_pool=None, weights_region=None,
-                row_weights=None, recv_per_prog: int = 4, rows_per_prog: int = 16):
+                row_weights=None, quant_pool=None, quant_scales=None, recv_per_prog: int = 4, rows_per_prog: int = 16):
     """Pull every received (source, token) row of a symmetric region once and write it into all
     of its pool rows; zero the live pool's padding rows. pool: local [P, width]. Optionally in
-    the same pass: the rows' scales (scales_region -> scales_pool [P, width/128], fp8 inputs) and
-    each pool row's topk weight (weights_region, the sources' [T, K] -> row_weights [P])."""
+    the same pass: the rows' scales (scales_region -> scales_pool [P, width/128], fp8 inputs),
+    each pool row's topk weight (weights_region, the sources' [T, K] -> row_weights [P]), and
+    (16-bit rows) the rows quantized as quantize_rows does, e4m3 quant_pool [P, width] + fp32
+    quant_scales [P, width/128] (the fp8 dgrad's dY), once per received row."""
     pool = _movable(pool)
     width = pool.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
+    quant = quant_pool is not None
+    if quant:
+        assert width % 128 == 0 and block >= 128 and pool.element_size() == 2, "quantized pull: 16-bit rows, width % 128 == 0"
+        assert quant_pool.shape == pool.shape and quant_pool.is_contiguous() and quant_scales.is_contiguous()
+        assert quant_scales.shape == (pool.shape[0], width // 128)
     U, topk = plan.recv_rows.shape
     pull_progs = triton.cdiv(U, recv_per_prog)
     grid = (pull_progs + triton.cdiv(pool.shape[0], rows_per_prog),)
@@ -114,9 +147,10 @@ def pull_expand(peer_bases, region, pool, plan, scales_region=None, scales_pool=
         scales_region.offset if scales else 0, scales_region.row_bytes if scales else 0,
         scales_pool if scales else pool, num_scales,
         weights_region.offset if weights else 0, row_weights if weights else pool,
+        quant_pool.view(torch.uint8) if quant else pool, quant_scales if quant else pool,
         TOPK=topk, ELEM=_TL_DTYPES[pool.dtype], BLOCK=block,
         SCALES=scales, SELEM=_TL_DTYPES[scales_pool.dtype] if scales else tl.float32,
-        SBLOCK=triton.next_power_of_2(num_scales), WEIGHTS=weights, num_warps=4,
+        SBLOCK=triton.next_power_of_2(num_scales), WEIGHTS=weights, QUANT=quant, num_warps=4,
     )
 
 
@@ -310,19 +344,21 @@ def _swiglu_forward_kernel(
         tl.store(act + rows[:, None] * act_stride + j[None, :], a.to(act.dtype.element_ty), mask=rmask[:, None])
 
 
-def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None):
-    """Fused clamp + SwiGLU + topk weight (+ e4m3 requantization) over the live pool rows."""
+def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None, block_r: int = 16,
+                   num_warps: int = 4):
+    """Fused clamp + SwiGLU + topk weight (+ e4m3 requantization) over the live pool rows.
+    block_r / num_warps: rows per program and its warps (16 / 4 measured best at S1, NOTES.md)."""
     rows, inter = act.shape
     block_c = 128
     assert inter % block_c == 0, "intermediate size must be a multiple of 128"
-    grid = (triton.cdiv(rows, 32), inter // block_c)
+    grid = (triton.cdiv(rows, block_r), inter // block_c)
     _swiglu_forward_kernel[grid](
         h, h.stride(0), row_weight, act, act.stride(0),
         act_scales if act_scales is not None else row_weight,
         act_scales.stride(0) if act_scales is not None else 0, num_rows,
         inter, float(clamp or 0.0),
         CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=act_scales is not None,
-        BLOCK_R=32, BLOCK_C=block_c, num_warps=4,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
     )
 
 
@@ -381,24 +417,25 @@ def _swiglu_backward_kernel(
 
 
 def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chunk: int, clamp: float | None,
-                    grad_h_q=None, grad_h_scales=None):
+                    grad_h_q=None, grad_h_scales=None, block_r: int = 8, num_warps: int = 4):
     """SwiGLU + topk weight backward over the live rows: grad_h [P, 2I] master order (compute dtype),
     d(topk weight) per row fp32; with grad_h_q / grad_h_scales also the e4m3 dH [P, 2I] and its
-    fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad."""
+    fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad. block_r / num_warps: rows per program and
+    its warps (8 / 4 measured best at S1: more programs keep more loads in flight, NOTES.md)."""
     rows, inter = grad_act.shape
     assert inter % 128 == 0, "intermediate size must be a multiple of 128"
     quant = grad_h_q is not None
     if quant:
         assert grad_h_q.shape == grad_h.shape and grad_h_scales.shape == (rows, 2 * inter // 128)
         assert grad_h_q.stride(1) == 1 and grad_h_scales.stride(1) == 1
-    grid = (triton.cdiv(rows, 16),)
+    grid = (triton.cdiv(rows, block_r),)
     _swiglu_backward_kernel[grid](
         h, h.stride(0), row_weight, grad_act, grad_act.stride(0), grad_h, grad_h.stride(0), grad_weight,
         num_rows,
         grad_h_q if quant else grad_h, grad_h_q.stride(0) if quant else 0,
         grad_h_scales if quant else grad_weight, grad_h_scales.stride(0) if quant else 0,
         inter, float(clamp or 0.0),
-        CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=quant, BLOCK_R=16, BLOCK_C=128, num_warps=4,
+        CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=quant, BLOCK_R=block_r, BLOCK_C=128, num_warps=num_warps,
     )
 
 
