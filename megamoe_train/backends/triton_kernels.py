@@ -344,10 +344,11 @@ def _swiglu_forward_kernel(
         tl.store(act + rows[:, None] * act_stride + j[None, :], a.to(act.dtype.element_ty), mask=rmask[:, None])
 
 
-def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None, block_r: int = 16,
+def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None, block_r: int = 32,
                    num_warps: int = 4):
     """Fused clamp + SwiGLU + topk weight (+ e4m3 requantization) over the live pool rows.
-    block_r / num_warps: rows per program and its warps (16 / 4 measured best at S1, NOTES.md)."""
+    block_r / num_warps: rows per program and its warps (8-32 rows, 4-8 warps measure within noise
+    of each other at S1: benchmarks/bench_row_kernels.py)."""
     rows, inter = act.shape
     block_c = 128
     assert inter % block_c == 0, "intermediate size must be a multiple of 128"
@@ -421,7 +422,7 @@ def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chun
     """SwiGLU + topk weight backward over the live rows: grad_h [P, 2I] master order (compute dtype),
     d(topk weight) per row fp32; with grad_h_q / grad_h_scales also the e4m3 dH [P, 2I] and its
     fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad. block_r / num_warps: rows per program and
-    its warps (8 / 4 measured best at S1: more programs keep more loads in flight, NOTES.md)."""
+    its warps (8 / 4 measured best at S1, 9-17% under 16 / 4: benchmarks/bench_row_kernels.py)."""
     rows, inter = grad_act.shape
     assert inter % 128 == 0, "intermediate size must be a multiple of 128"
     quant = grad_h_q is not None
