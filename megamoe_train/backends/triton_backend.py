@@ -6,17 +6,17 @@
   fp8 scales, its topk weights; dY in backward, with an fp8 dgrad also quantized in that pass)
   and writes it into every pool row of its slots;
 - expert MLP: L1 grouped GEMM -> fused clamp/SwiGLU/topk weight (/e4m3 requantization) -> L2
-  grouped GEMM; bf16 GEMMs our CUTLASS kernel (torch._grouped_mm where the CUDA extension was
-  not built), fp8 GEMMs our block-scaled CUTLASS kernel (cutlass_gemm.py; our Triton kernel
-  where the CUDA extension was not built); backward: with
-  the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized by the pull, dH by the SwiGLU
-  backward, both e4m3 with 1x128 scales, against the transposed quantized weights
-  ExpertWeights.w2_t / w1_t); the wgrads bf16 (fp32 accumulation) on the dequantized stored
-  activations and the unquantized gradients, our CUTLASS K-grouped GEMM on the pool operands as
-  stored (with fuse_wgrad_accumulation: added into the fp32 accumulators by its epilogue), except with recipe fp8_e4m3_wgrad: dY, dH and the
-  stored activations each quantized along the pool rows in 128-row blocks by quantize_tokens_t,
-  transposed, into the CUTLASS K-grouped fp8 GEMM (each expert padded to 128 pool rows so no
-  block spans two; measured slower than bf16, NOTES.md); with bf16 every backward GEMM is bf16;
+  grouped GEMM; bf16 GEMMs our CUTLASS kernel, fp8 GEMMs our block-scaled CUTLASS kernel
+  (cutlass_gemm.py; where the CUDA extension was not built, torch._grouped_mm and our Triton
+  kernel); backward: with the fp8 recipe the two dgrad GEMMs are fp8 too (dY quantized by the
+  pull, dH by the SwiGLU backward, both e4m3 with 1x128 scales, against the transposed quantized
+  weights ExpertWeights.w2_t / w1_t); the wgrads bf16 (fp32 accumulation) on the dequantized
+  stored activations and the unquantized gradients, our CUTLASS K-grouped GEMM on the pool
+  operands as stored (with fuse_wgrad_accumulation: added into the fp32 accumulators by its
+  epilogue), except with recipe fp8_e4m3_wgrad: dY, dH and the stored activations each quantized
+  along the pool rows in 128-row blocks by quantize_tokens_t, transposed, into the CUTLASS
+  K-grouped fp8 GEMM (each expert padded to 128 pool rows so no block spans two; measured slower
+  than bf16, NOTES.md); with bf16 every backward GEMM is bf16;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
@@ -148,9 +148,11 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
         wgrad = _fp8_wgrad(recipe, grad, stored, stored_scales, plan)
     else:
         inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
-        cutlass = cutlass_gemm.available(grad.device) and all(t.data_ptr() % 16 == 0 for t in (grad, inputs))  # TMA: 16-byte starts
-        if accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous() and cutlass \
-                and accumulator.data_ptr() % 16 == 0:
+        # TMA reads and writes from 16-byte aligned starts
+        cutlass = cutlass_gemm.available(grad.device) and all(t.data_ptr() % 16 == 0 for t in (grad, inputs))
+        fusable = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
+                   and accumulator.data_ptr() % 16 == 0)
+        if cutlass and fusable:
             cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
             return None
         if cutlass:
