@@ -189,6 +189,12 @@ def wgrad_acc_case(groups, rows_per_group, m, n, dev):
     return times, errors
 
 
+def _speedup(times: dict, prefix: str, baseline: str) -> str:
+    """The baseline's time over the fastest configuration whose label starts with prefix."""
+    ours = min((v for key, v in times.items() if key.startswith(prefix)), default=None)
+    return f"{times[baseline] / ours:.2f}x" if ours else "-"
+
+
 def _detail(label: str, times: dict, errors: dict) -> str:
     """One line of the closing list: every configuration's time and error of a case."""
     return f"{label}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items())
@@ -240,8 +246,7 @@ def main():
             times, errors = wgrad_case(groups, rows, m, n, dev)
             flops = 2.0 * groups * rows * m * n
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
-            ours = min((v for key, v in times.items() if key.startswith("cutlass_bf16")), default=None)
-            speedup = f"{times['torch_bf16'] / ours:.2f}x" if ours else "-"
+            speedup = _speedup(times, "cutlass_bf16", "torch_bf16")
             out_floor = groups * m * n * 2 / write_gbs / 1e6
             print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
                   f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {speedup} | "
@@ -256,8 +261,7 @@ def main():
             times, errors = wgrad_acc_case(groups, rows, m, n, dev)
             flops = 2.0 * groups * rows * m * n
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
-            ours = min((v for key, v in times.items() if key.startswith("cutlass_acc")), default=None)
-            speedup = f"{times['torch_bf16+add'] / ours:.2f}x" if ours else "-"
+            speedup = _speedup(times, "cutlass_acc", "torch_bf16+add")
             print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
                   f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
                   f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
