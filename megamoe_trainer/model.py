@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .fused_elementwise import use_compiled_rope
 from .fused_optimizer import install as install_fused_multi_tensor_ops
 from .fused_optimizer import use_fused_adam
 
@@ -20,6 +21,7 @@ def transformer_config(recipe):
 
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     bf16 = m.dtype == "bf16"
+    on_cuda = p.device == "cuda" and torch.cuda.is_available()
     return MegaMoETransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -58,6 +60,8 @@ def transformer_config(recipe):
         moe_aux_loss_coeff=moe.aux_loss_coeff if moe.load_balancing != "none" else 0.0,
         moe_z_loss_coeff=moe.z_loss_coeff,
         moe_router_dtype="fp32",
+        cross_entropy_loss_fusion=m.fused_cross_entropy and on_cuda,
+        cross_entropy_fusion_impl="native",  # megatron's own (torch.compile'd); "te" needs Transformer Engine
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,
         moe_megamoe_cuda_graph=moe.megamoe_cuda_graph,
@@ -77,6 +81,8 @@ def build_model(recipe, device: str):
 
     cfg = transformer_config(recipe)
     spec = layer_spec(recipe, cfg)
+    if device == "cuda" and recipe.model.fused_rope:
+        use_compiled_rope()
     m = recipe.model
     gpt = GPTModel(
         cfg, spec, vocab_size=m.vocab_size, max_sequence_length=m.seq_length,

@@ -71,6 +71,10 @@ class ModelSection:
     dtype: Literal["fp32", "bf16"] = "bf16"  # parameter / activation dtype (master weights fp32 in bf16)
     init_std: float = 0.02
     attention: Literal["sdpa", "megatron"] = "sdpa"  # core attention: torch SDPA (fused) or Megatron's local DotProductAttention
+    # CUDA only (torch.compile'd; compiled on the first step): megatron's RoPE and its native fused
+    # vocab-parallel cross entropy, where its fused kernels would need Transformer Engine
+    fused_rope: bool = True
+    fused_cross_entropy: bool = True
 
 
 @dataclass
@@ -112,6 +116,9 @@ class TrainSection:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
     fused_optimizer: bool = True  # foreach grad norm / clip and fused AdamW where megatron has no TE / Apex kernels
+    # fp32 matmuls on TF32 tensor cores (CUDA): in a bf16 model only the router's (moe_router_dtype
+    # fp32), whose operands are bf16 values, exact in TF32; fp32 accumulation either way
+    tf32_matmul: bool = True
     overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
 
 

@@ -194,6 +194,8 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     device = "cuda" if torch.cuda.is_available() and recipe.parallel.device != "cpu" else "cpu"
     _init_parallel(recipe, device)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = recipe.train.tf32_matmul
     is_main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
     t0 = time.perf_counter()

@@ -48,6 +48,10 @@ from . import triton_plan
 BF16_GROUP_ALIGN = 16
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
 _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
+# Non-fused bf16 wgrads: "torch" (K-grouped torch._grouped_mm) or "cutlass" (our store kernel,
+# cutlass_gemm.bf16_wgrad_grouped_gemm); the default stays torch until the suspected race is
+# settled (NOTES.md).
+_BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 SUPPORTED_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad")
 
 
@@ -141,9 +145,7 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
     it (fp8_e4m3_wgrad: _fp8_wgrad; else bf16 on the dequantized activations). Without an
     accumulator it is returned (bf16 [E, ., .]); with one it is added into it and None returned:
     in the CUTLASS GEMM's epilogue (fp32, unrounded) where built and the accumulator is fp32, else
-    by an add. Without the fusion the bf16 product is torch's K-grouped GEMM: our ping-pong kernel
-    that stores bf16 (cutlass_gemm.bf16_wgrad_grouped_gemm) was 2-4% faster but is suspected in
-    a GPU test that failed once in six runs (NOTES.md), so it is not used until that is settled."""
+    by an add. Without the fusion the bf16 product is _bf16_wgrad's."""
     recipe = cfg.precision
     if recipe.quantized_wgrad:
         wgrad = _fp8_wgrad(recipe, grad, stored, stored_scales, plan)
@@ -155,11 +157,21 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
         if fusable:
             cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
             return None
-        wgrad = _grouped_mm(grad.t(), inputs, plan.expert_ends)
+        wgrad = _bf16_wgrad(grad, inputs, plan)
     if accumulator is None:
         return wgrad
     accumulator.add_(wgrad)
     return None
+
+
+def _bf16_wgrad(grad, inputs, plan: Plan):
+    """wgrad[e] = grad[rows of e]^T @ inputs[rows of e], bf16 [E, ., .] (fp32 accumulation)."""
+    if _BF16_WGRAD == "cutlass" and cutlass_gemm.available(grad.device) \
+            and all(t.data_ptr() % 16 == 0 for t in (grad, inputs)):
+        E = plan.expert_ends.shape[0]
+        out = torch.empty(E, grad.shape[1], inputs.shape[1], dtype=torch.bfloat16, device=grad.device)
+        return cutlass_gemm.bf16_wgrad_grouped_gemm(grad, inputs, plan.expert_ends, out)
+    return _grouped_mm(grad.t(), inputs, plan.expert_ends)
 
 
 def _as_compute(data, scales, num_rows, dtype):
