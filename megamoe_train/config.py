@@ -26,8 +26,9 @@ class MegaMoEConfig:
     activation_clamp: c, applied as gate = min(gate, c), up = clamp(up, -c, c) before SwiGLU.
     dtype: activation / output dtype and the dtype combine rows travel in. bfloat16 is what
       training uses; float32 gives exact comparisons in tests.
-    block_m: rows per fp8 GEMM M-block of the GPU executor; each expert's pool segment is padded
-      to a multiple of it there (the reference executor pads nothing, bf16 GEMMs pad to 16).
+    block_m: rows per M-block of the GPU executor's Triton fp8 GEMM (the fallback where the CUDA
+      extension was not built); each expert's pool segment is padded to a multiple of it there
+      (the reference executor pads nothing; the CUTLASS and bf16 GEMMs pad to 16).
     """
 
     num_experts: int

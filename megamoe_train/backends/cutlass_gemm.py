@@ -47,7 +47,7 @@ _WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
 def available(device: torch.device) -> bool:
-    if _cuda is None or device.type != "cuda":
+    if _cuda is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
     return _is_sm90(torch.cuda.current_device() if device.index is None else device.index)
 

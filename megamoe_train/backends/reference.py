@@ -147,13 +147,17 @@ class ReferenceExecutor:
             u = (recv_src == src).nonzero().squeeze(1)
             if not u.numel():
                 continue
-            home = buf.regions(src)
             self._write_partials(buf, src, recv_token[u], partial[u])
             if row_scalars is not None:
-                for k in range(recv_rows.shape[1]):
+                # Elements addressed in the flat [T * K] region: a column view's index_put under
+                # torch.use_deterministic_algorithms copies the whole column out and back (a
+                # read-modify-write), which loses the other owners' concurrent writes.
+                flat = buf.regions(src).topk_weight_grads.view(-1)
+                K = recv_rows.shape[1]
+                for k in range(K):
                     dest = recv_rows[u, k]
                     here = dest >= 0
-                    home.topk_weight_grads[recv_token[u][here], k] = row_scalars[dest[here]]
+                    flat[recv_token[u][here] * K + k] = row_scalars[dest[here]]
 
     def reduce_partials(self, buf: SymmBuffer, mask: torch.Tensor, T: int, has_shared: bool) -> torch.Tensor:
         """Sum this rank's partial rows per token in fp32: owners 0..R-1 (where mask), then shared."""

@@ -45,7 +45,7 @@ from . import cutlass_gemm
 from . import triton_kernels as K_
 from . import triton_plan
 
-BF16_GROUP_ALIGN = 16
+GROUP_ALIGN = 16  # rows per expert group in the pool where the GEMMs take any group ends
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
 _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
 # Non-fused bf16 wgrads: "torch" (K-grouped torch._grouped_mm) or "cutlass" (our store kernel,
@@ -108,10 +108,15 @@ def _bf16_grouped_gemm(a, w, plan: Plan, transposed: bool):
     return _grouped_mm(a, w if transposed else w.transpose(1, 2), plan.expert_ends)
 
 
+def _cutlass_fp8(device: torch.device) -> bool:
+    """The one place that picks the fp8 GEMM: CUTLASS where built; MEGAMOE_FP8_GEMM=triton forces
+    the Triton kernel (whose tiles need block_m-aligned experts: row_align)."""
+    return _FP8_GEMM != "triton" and cutlass_gemm.available(device)
+
+
 def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
-    """out[rows of expert e] = (a * a_scales)[rows] @ (b[e] * b_scales[e])^T: the one place that
-    picks the fp8 GEMM (CUTLASS where built; MEGAMOE_FP8_GEMM=triton forces the Triton kernel)."""
-    if _FP8_GEMM != "triton" and cutlass_gemm.available(a.device):
+    """out[rows of expert e] = (a * a_scales)[rows] @ (b[e] * b_scales[e])^T."""
+    if _cutlass_fp8(a.device):
         return cutlass_gemm.fp8_grouped_gemm(a, a_scales, b, b_scales, plan.expert_ends, out)
     return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
 
@@ -189,12 +194,16 @@ class TritonExecutor:
     checks_ids_on_device = True
 
     def row_align(self, cfg) -> int:
-        # fp8 GEMM tiles are block_m rows of one expert (and the quantized wgrads' scale blocks 128
-        # pool rows of one expert); torch's bf16 grouped GEMM takes any group ends, so bf16 pads
-        # experts only to 16 rows (aligned offsets, ~no wasted rows).
+        # The quantized wgrads' scale blocks are 128 pool rows of one expert, and the Triton fp8
+        # GEMM's tiles block_m rows of one expert. The CUTLASS GEMMs (fp8 and bf16) and torch's
+        # take any group ends (per-group TMA bounds), so their experts are padded only to 16 rows
+        # (16-byte aligned row starts at every width): at S1 the 128-row padding added ~14% rows
+        # for the memory-bound kernels to move (NOTES.md).
         if cfg.precision.quantized_wgrad:
             return max(cfg.block_m, WGRAD_BLOCK)
-        return cfg.block_m if cfg.precision.quantized else BF16_GROUP_ALIGN
+        if cfg.precision.quantized and not _cutlass_fp8(torch.device("cuda")):
+            return cfg.block_m
+        return GROUP_ALIGN
 
     def shared_dtype(self, cfg) -> torch.dtype:
         return cfg.dtype
