@@ -15,13 +15,13 @@ from .fused_optimizer import install as install_fused_multi_tensor_ops
 from .fused_optimizer import use_fused_adam
 
 
-def transformer_config(recipe):
-    """The run's MegaMoETransformerConfig (also built by the validator, before any rank starts)."""
+def transformer_config(recipe, on_gpu: bool = False):
+    """The run's MegaMoETransformerConfig (also built by the validator, before any rank starts);
+    on_gpu: the ranks run on CUDA (kernel choices that only exist there)."""
     from megatron_patch import MegaMoETransformerConfig
 
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     bf16 = m.dtype == "bf16"
-    on_cuda = p.device == "cuda" and torch.cuda.is_available()
     return MegaMoETransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -60,7 +60,7 @@ def transformer_config(recipe):
         moe_aux_loss_coeff=moe.aux_loss_coeff if moe.load_balancing != "none" else 0.0,
         moe_z_loss_coeff=moe.z_loss_coeff,
         moe_router_dtype="fp32",
-        cross_entropy_loss_fusion=m.fused_cross_entropy and on_cuda,
+        cross_entropy_loss_fusion=m.fused_cross_entropy and on_gpu,
         cross_entropy_fusion_impl="native",  # megatron's own (torch.compile'd); "te" needs Transformer Engine
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,
@@ -79,7 +79,7 @@ def build_model(recipe, device: str):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    cfg = transformer_config(recipe)
+    cfg = transformer_config(recipe, on_gpu=device == "cuda")
     spec = layer_spec(recipe, cfg)
     if device == "cuda" and recipe.model.fused_rope:
         use_compiled_rope()

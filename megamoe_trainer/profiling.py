@@ -27,6 +27,8 @@ from collections import defaultdict
 
 import torch
 
+from .recipe import runs_on_cuda
+
 MOE_FORWARD, MOE_BACKWARD = "megamoe_trainer/moe_forward", "megamoe_trainer/moe_backward"
 PEER_WAIT_KERNEL = "_barrier_kernel"  # megamoe_train/device_barrier.py's Triton kernel
 
@@ -173,7 +175,7 @@ class StepProfiler:
         self.dir = os.path.join(run_dir, "profile")
         self.prof = self.ranges = None
         self.summary = None
-        self.cuda = torch.cuda.is_available() and recipe.parallel.device != "cpu"
+        self.cuda = runs_on_cuda(recipe)
 
     def _sync(self):
         if self.cuda:

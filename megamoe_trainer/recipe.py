@@ -455,6 +455,13 @@ def validate_with_megatron(recipe: Recipe):
         raise RecipeError(_MEGATRON_KEYS.get(found, "model"), f"rejected by Megatron: {text}") from None
 
 
+def runs_on_cuda(recipe: Recipe) -> bool:
+    """Whether a rank of this recipe runs on a GPU here: parallel.device cuda or auto, and CUDA present."""
+    import torch
+
+    return recipe.parallel.device != "cpu" and torch.cuda.is_available()
+
+
 def check_environment(recipe: Recipe) -> str:
     """Checks against this machine (GPU count); returns the device to run on ('cpu' or 'cuda')."""
     import torch

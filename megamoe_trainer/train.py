@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .recipe import Recipe
+from .recipe import Recipe, runs_on_cuda
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
@@ -191,7 +191,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     from .report import ProgressReport
 
     recipe: Recipe = _build(Recipe, recipe_dict, "")
-    device = "cuda" if torch.cuda.is_available() and recipe.parallel.device != "cpu" else "cpu"
+    device = "cuda" if runs_on_cuda(recipe) else "cpu"
     _init_parallel(recipe, device)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     if device == "cuda":

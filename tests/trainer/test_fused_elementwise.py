@@ -9,7 +9,7 @@ import torch
 
 from megamoe_trainer import fused_elementwise
 from megamoe_trainer.model import transformer_config
-from megamoe_trainer.recipe import Recipe
+from megamoe_trainer.recipe import Recipe, runs_on_cuda
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -20,12 +20,19 @@ def _rel(a, b):
 
 def test_cross_entropy_fusion_only_on_cuda():
     r = Recipe()
-    r.parallel.device = "cpu"
-    assert not transformer_config(r).cross_entropy_loss_fusion
-    r.parallel.device = "cuda"
-    assert transformer_config(r).cross_entropy_loss_fusion == torch.cuda.is_available()
+    assert transformer_config(r, on_gpu=True).cross_entropy_loss_fusion
+    assert not transformer_config(r).cross_entropy_loss_fusion  # CPU ranks, and the validator's config
     r.model.fused_cross_entropy = False
-    assert not transformer_config(r).cross_entropy_loss_fusion
+    assert not transformer_config(r, on_gpu=True).cross_entropy_loss_fusion
+
+
+def test_ranks_run_on_cuda_for_device_cuda_or_auto():
+    r = Recipe()
+    r.parallel.device = "cpu"
+    assert not runs_on_cuda(r)
+    for device in ("cuda", "auto"):
+        r.parallel.device = device
+        assert runs_on_cuda(r) == torch.cuda.is_available()
 
 
 @pytest.mark.gpu
