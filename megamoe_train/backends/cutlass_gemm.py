@@ -39,7 +39,7 @@ FP8_DEFAULT = (0, 1)
 BF16_DEFAULT = (2, 4)
 FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
 BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32
-BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor does not use it, NOTES.md)
+BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
 
 # (kind, device index, groups, variant, layout, stream) -> scratch for CUTLASS's per-group
 # argument arrays; per stream, so GEMMs queued on two streams never share one.

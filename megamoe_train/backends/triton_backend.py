@@ -49,8 +49,8 @@ GROUP_ALIGN = 16  # rows per expert group in the pool where the GEMMs take any g
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
 _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
 # Non-fused bf16 wgrads: "torch" (K-grouped torch._grouped_mm) or "cutlass" (our store kernel,
-# cutlass_gemm.bf16_wgrad_grouped_gemm); the default stays torch until the suspected race is
-# settled (NOTES.md).
+# cutlass_gemm.bf16_wgrad_grouped_gemm); torch by default: ours was within noise of it in the
+# layer (NOTES.md).
 _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 SUPPORTED_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad")
 
@@ -96,13 +96,17 @@ def _grouped_mm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
+def _cutlass_takes(*tensors) -> bool:
+    """Our CUTLASS GEMMs are built for these tensors' GPU and each starts 16-byte aligned (TMA)."""
+    return cutlass_gemm.available(tensors[0].device) and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _bf16_grouped_gemm(a, w, plan: Plan, transposed: bool):
     """out[rows of expert e] = a[rows] @ w[e]^T (transposed=False: w [E, N, K], the forward) or
     a[rows] @ w[e] (transposed=True: w [E, K, N], the dgrad), bf16 with fp32 accumulation: our
     CUTLASS kernel where built (it reads w in either layout by TMA, and beats torch's grouped GEMM
     where torch pairs an expert's M tiles: NOTES.md), else torch's."""
-    if cutlass_gemm.available(a.device) and a.is_contiguous() and w.is_contiguous() \
-            and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
+    if a.is_contiguous() and w.is_contiguous() and _cutlass_takes(a, w):
         out = torch.empty(a.shape[0], w.shape[2] if transposed else w.shape[1], dtype=a.dtype, device=a.device)
         return cutlass_gemm.bf16_grouped_gemm(a, w, plan.expert_ends, out, "kn" if transposed else "nk")
     return _grouped_mm(a, w if transposed else w.transpose(1, 2), plan.expert_ends)
@@ -157,8 +161,7 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
     else:
         inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
         fusable = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
-                   and cutlass_gemm.available(grad.device)
-                   and all(t.data_ptr() % 16 == 0 for t in (accumulator, grad, inputs)))  # TMA needs 16-byte starts
+                   and _cutlass_takes(grad, inputs, accumulator))
         if fusable:
             cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
             return None
@@ -171,8 +174,7 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
 
 def _bf16_wgrad(grad, inputs, plan: Plan):
     """wgrad[e] = grad[rows of e]^T @ inputs[rows of e], bf16 [E, ., .] (fp32 accumulation)."""
-    if _BF16_WGRAD == "cutlass" and cutlass_gemm.available(grad.device) \
-            and all(t.data_ptr() % 16 == 0 for t in (grad, inputs)):
+    if _BF16_WGRAD == "cutlass" and _cutlass_takes(grad, inputs):
         E = plan.expert_ends.shape[0]
         out = torch.empty(E, grad.shape[1], inputs.shape[1], dtype=torch.bfloat16, device=grad.device)
         return cutlass_gemm.bf16_wgrad_grouped_gemm(grad, inputs, plan.expert_ends, out)
