@@ -305,6 +305,13 @@ def test_wgrad_rejects_bad_operands():
 # ----------------------------------------------------------------------------- bf16 wgrad into fp32
 
 ACC_VARIANTS = range(getattr(cutlass_gemm._cuda, "BF16_WGRAD_VARIANTS", 1))
+# (pool rows per expert, M, N) of the bf16 wgrad tests, accumulating and storing alike
+BF16_WGRAD_CASES = [
+    ([48, 0, 16, 512, 256, 0, 1040, 128], 256, 384),  # skewed, empty, 16-row groups, ragged last K tile
+    ([0, 256, 112, 0, 640, 384, 128, 256, 0, 512], 1024, 512),  # W1-like (M = 2I), first expert empty
+    ([4096, 2048], 512, 2048),  # deep groups (64 and 32 K steps)
+    ([(g % 3) * 16 for g in range(130)], 128, 128),  # many small experts
+]
 
 
 def make_acc_case(sizes, m, n, tail=48, seed=0):
@@ -350,15 +357,7 @@ def check_acc(out, full, start, ref, ends):
 
 @needs_cutlass
 @pytest.mark.parametrize("variant", ACC_VARIANTS)
-@pytest.mark.parametrize(
-    "sizes,m,n",
-    [
-        ([48, 0, 16, 512, 256, 0, 1040, 128], 256, 384),  # skewed, empty, 16-row groups, ragged last K tile
-        ([0, 256, 112, 0, 640, 384, 128, 256, 0, 512], 1024, 512),  # W1-like (M = 2I), first expert empty
-        ([4096, 2048], 512, 2048),  # deep groups (64 and 32 K steps)
-        ([(g % 3) * 16 for g in range(130)], 128, 128),  # many small experts
-    ],
-)
+@pytest.mark.parametrize("sizes,m,n", BF16_WGRAD_CASES)
 def test_bf16_wgrad_accumulates_into_fp32(sizes, m, n, variant):
     a, b, ends, full, out = make_acc_case(sizes, m, n, seed=len(sizes) + variant)
     start = out.clone()
@@ -412,15 +411,7 @@ def test_bf16_wgrad_accumulate_rejects_bad_operands():
 
 @needs_cutlass
 @pytest.mark.parametrize("variant", ACC_VARIANTS)
-@pytest.mark.parametrize(
-    "sizes,m,n",
-    [
-        ([48, 0, 16, 512, 256, 0, 1040, 128], 256, 384),  # skewed, empty, 16-row groups, ragged last K tile
-        ([0, 256, 112, 0, 640, 384, 128, 256, 0, 512], 1024, 512),  # W1-like (M = 2I), first expert empty
-        ([4096, 2048], 512, 2048),  # deep groups
-        ([(g % 3) * 16 for g in range(130)], 128, 128),  # many small experts
-    ],
-)
+@pytest.mark.parametrize("sizes,m,n", BF16_WGRAD_CASES)
 def test_bf16_wgrad_stores_bf16(sizes, m, n, variant):
     a, b, ends, _, _ = make_acc_case(sizes, m, n, seed=len(sizes) + variant)
     G = len(sizes)

@@ -245,7 +245,8 @@ def repeat_bitwise(rank, world, backend, recipe, iters):
     for it in range(iters):
         poison_buffer(cfg_kwargs)
         out = poisoned(_forward_backward, rank, world, cfg, prob, backend)
-        first = first or out
+        if first is None:
+            first = out
         for name, a, b in zip(OUTPUTS, out, first):
             assert not torch.isnan(a).any(), (it, name)
             assert torch.equal(a, b), (it, name)
