@@ -11,8 +11,15 @@ reaches n. Then p's tag of barrier n must equal r's (else the ranks are out of s
 never pair across calls). Polling ends early on p's failure mark, and at the deadline
 (%globaltimer). The count is device memory, so a replayed CUDA graph advances it; a peer is at
 most one barrier ahead (it cannot pass barrier n + 1 before r enters it), so two tag slots
-suffice. With a status slot to check (captured calls), the ranks' status words are compared
-after the wait (every rank sees all words, so every rank decides the same). The time spent
+suffice.
+
+A protocol call's first barrier also carries its status exchange (one launch, no copy engine:
+a peer-to-peer memcpy of the 16-byte word measured 56-106 us in the forward's timeline): before
+arriving, r writes its status word (verdict, epoch, layer id, phase) into its row of the call's
+status slot in every rank's buffer (the release of its count publishes it); after the wait it
+copies its own slot out and says whether every word accepts its input and names r's call
+(all_ok). In a captured call a mismatch or a rejected input also traps (every rank sees all
+words, so every rank decides the same), since a replay runs no host code. The time spent
 waiting (%globaltimer ns) is added to a counter in device memory: how long this rank stood
 still for its peers, measured without a profiler.
 
@@ -34,10 +41,10 @@ import triton
 import triton.language as tl
 
 from . import faults
+from .faults import STATUS_OK
 
 WORDS = 4  # int64 words per rank in an area
 ARRIVED, TAGS, FAILED = 0, 1, 3
-STATUS_OK = 1  # protocol.STATUS_OK (the protocol imports the transport, not the reverse)
 
 
 def area_bytes(world: int) -> int:
@@ -63,9 +70,11 @@ def _fence_system(x, GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit(debug=True, do_not_specialize=[
-    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "status_addr", "check_status", "wait_addr"])
+    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "wait_addr", "slot_offset", "verdict_addr",
+    "epoch", "layer", "phase", "status_out_addr", "ok_out_addr", "check_status"])
 def _barrier_kernel(
-    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, status_addr, check_status, wait_addr,
+    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, wait_addr,
+    slot_offset, verdict_addr, epoch, layer, phase, status_out_addr, ok_out_addr, check_status,
     GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
     WORDS: tl.constexpr, ARRIVED: tl.constexpr, TAGS: tl.constexpr, FAILED: tl.constexpr,
     STATUS_OK: tl.constexpr,
@@ -75,10 +84,21 @@ def _barrier_kernel(
     R_VALUE: tl.constexpr, R_TIMEOUT_MS: tl.constexpr, R_MY_WORD: tl.constexpr, R_PEER_WORD: tl.constexpr,
 ):
     tag = tag.to(tl.int64)
-    mine = (tl.load(peer_bases + me) + area_offset).to(tl.pointer_type(tl.int64))
+    my_base = tl.load(peer_bases + me)
+    mine = (my_base + area_offset).to(tl.pointer_type(tl.int64))
+    status = (my_base + slot_offset).to(tl.pointer_type(tl.int32))  # this call's status slot [R, 4] here
     n = tl.load(mine + me * WORDS + ARRIVED, volatile=True) + 1
     parity = n % 2
-    # Arrive: this rank's tag of barrier n, then its count, into every rank's area (its own too).
+    if verdict_addr != 0:  # the status exchange: this rank's word into its row of every rank's slot
+        verdict = tl.load(verdict_addr.to(tl.pointer_type(tl.int32)))
+        for p in range(0, world):
+            word = (tl.load(peer_bases + p) + slot_offset + me * 16).to(tl.pointer_type(tl.int32))
+            tl.store(word, verdict)
+            tl.store(word + 1, epoch)
+            tl.store(word + 2, layer)
+            tl.store(word + 3, phase)
+    # Arrive: this rank's tag of barrier n, then its count (release: the word above goes with it),
+    # into every rank's area (its own too).
     for p in range(0, world):
         words = (tl.load(peer_bases + p) + area_offset + me * WORDS * 8).to(tl.pointer_type(tl.int64))
         tl.store(words + TAGS + parity, tag)
@@ -117,10 +137,21 @@ def _barrier_kernel(
                 peer = p
                 value = seen
     tl.atomic_add(wait_addr.to(tl.pointer_type(tl.int64)), _now(polls, GLOBALTIMER, POLL_NS) - start)
+    if status_out_addr != 0:  # the exchange's results: this rank's slot, and whether all is well
+        out = status_out_addr.to(tl.pointer_type(tl.int32))
+        all_ok = kind == 0
+        for p in range(0, world):
+            for i in tl.static_range(0, 4):
+                w = tl.load(status + p * 4 + i, volatile=True)
+                tl.store(out + p * 4 + i, w)
+                if i == 0:
+                    all_ok &= w == STATUS_OK
+                else:
+                    all_ok &= w == tl.load(status + me * 4 + i, volatile=True)
+        tl.store(ok_out_addr.to(tl.pointer_type(tl.int8)), all_ok.to(tl.int8))
     if check_status != 0:
         # A captured call: compare the status words (verdict, epoch, layer, phase) now, since a
         # replay runs no host code that could raise the mismatch later.
-        status = status_addr.to(tl.pointer_type(tl.int32))
         for p in range(0, world):
             if kind == 0:
                 differ = tl.load(status + p * 4 + 1, volatile=True) != tl.load(status + me * 4 + 1, volatile=True)
@@ -142,7 +173,6 @@ def _barrier_kernel(
         tl.store(record + R_VALUE, value)
         tl.store(record + R_TIMEOUT_MS, (timeout_ns // 1000000).to(tl.int64))
         if check_status != 0:
-            status = status_addr.to(tl.pointer_type(tl.int32))
             for i in range(0, 3):
                 tl.store(record + R_MY_WORD + i, tl.load(status + me * 4 + 1 + i, volatile=True).to(tl.int64))
                 tl.store(record + R_PEER_WORD + i, tl.load(status + peer * 4 + 1 + i, volatile=True).to(tl.int64))
@@ -165,21 +195,30 @@ def interpreted() -> bool:
 
 
 def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int, timeout_s: float,
-                   record, wait_ns, status=None, poll_ns: int = 1000):
+                   record, wait_ns, exchange=None, poll_ns: int = 1000):
     """Launch one barrier on the current stream (never waits on the host).
 
     peer_bases: int64 [R] tensor of every rank's buffer base address (device memory on CUDA);
     the barrier area starts at area_offset bytes past each base. record: this rank's fault
     record (int64 [RECORD_WORDS], pinned host memory). wait_ns: int64 [1] (device memory on
-    CUDA), the time this barrier waits is added to it. status: if given, this call's status slot
-    (int32 [R, 4]) in this rank's buffer, compared after the wait (captured calls)."""
+    CUDA), the time this barrier waits is added to it. exchange: a protocol call's status
+    exchange, (slot_offset, verdict, (epoch, layer, phase), status_out, all_ok_out, compare):
+    the call's status slot at slot_offset past each base; this rank's verdict (int32 scalar,
+    device) and call name go into its row of every rank's slot before it arrives; after the
+    wait status_out (int32 [R, 4]) gets this rank's slot and all_ok_out (bool scalar) whether
+    every word says STATUS_OK and names this rank's call; compare (captured calls): trap on a
+    mismatch or a rejected input."""
     f = faults
-    # status_addr is always some 64-bit address (the record's when unused) and check_status a
-    # runtime flag: one compiled kernel, loaded by the buffer's creation barrier, serves every
-    # barrier, so a graph capture never compiles or loads a kernel.
+    # Unused addresses are 0 and the flags runtime values: one compiled kernel, loaded by the
+    # buffer's creation barrier, serves every barrier, so a graph capture never compiles or
+    # loads a kernel.
+    slot_offset, verdict_addr, name, out_addr, ok_addr, compare = 0, 0, (0, 0, 0), 0, 0, False
+    if exchange is not None:
+        slot_offset, verdict, name, status_out, all_ok_out, compare = exchange
+        verdict_addr, out_addr, ok_addr = verdict.data_ptr(), status_out.data_ptr(), all_ok_out.data_ptr()
     _barrier_kernel[(1,)](
-        peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(),
-        record.data_ptr() if status is None else status.data_ptr(), int(status is not None), wait_ns.data_ptr(),
+        peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(), wait_ns.data_ptr(),
+        slot_offset, verdict_addr, *name, out_addr, ok_addr, int(compare),
         GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
         WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK,
         K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,

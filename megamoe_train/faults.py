@@ -21,6 +21,9 @@ import torch
 
 from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError
 
+# Status words (int32 [4] per rank and call: verdict, epoch, layer id, phase): the verdicts.
+STATUS_OK, STATUS_BAD = 1, 2
+
 # Fault record: int64 words.
 KIND, RANK, TAG, PEER, VALUE, TIMEOUT_MS = 0, 1, 2, 3, 4, 5
 MY_WORD, PEER_WORD = 6, 9  # (epoch, layer, phase) of this rank's and the peer's status word

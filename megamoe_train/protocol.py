@@ -42,12 +42,11 @@ import torch
 
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .expert_math import shared_backward, shared_forward
-from .faults import describe_word
+from .faults import STATUS_BAD, STATUS_OK, describe_word
 from .plan import Plan, owner_mask
 from .symm_buffer import SymmBuffer
 from .weights import ExpertWeights
 
-STATUS_OK, STATUS_BAD = 1, 2
 BARRIER_EXCHANGED, BARRIER_PUSHED = 1, 2  # the two barrier steps of a call (tag = epoch * 4 + step)
 
 
@@ -119,34 +118,21 @@ def _publish(executor, buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> t
         mine.topk_idx.fill_(-1)
         return torch.full((), STATUS_BAD, dtype=torch.int32, device=buf.device)
     n = x.shape[0]
-    out_of_range = (topk_idx < -1) | (topk_idx >= cfg.num_experts)
     executor.store_inputs(cfg, x, mine.x[:n], mine.x_scales[:n] if cfg.precision.quantized else None)
-    mine.topk_idx[:n].copy_(torch.where(out_of_range, -1, topk_idx))
-    mine.topk_idx[n:].fill_(-1)
-    mine.topk_weights[:n].copy_(topk_weights)
-    return torch.where(out_of_range.any(), STATUS_BAD, STATUS_OK).to(torch.int32)
+    return executor.store_routing(cfg, topk_idx, topk_weights, mine.topk_idx, mine.topk_weights)
 
 
 def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forward_call: int | None = None):
-    """Verdict and the call's name (epoch, layer id, phase) into every peer's status word, then
-    the call's first barrier. Returns (status [R, 4] of this call, the call epoch, whether every
-    rank accepted its input and is in this very call: a bool device scalar)."""
+    """Verdict and the call's name (epoch, layer id, phase) into every peer's status word, in
+    the call's first barrier (SymmBuffer.exchange_status). Returns (status [R, 4] of this call,
+    the call epoch, whether every rank accepted its input and is in this very call: a bool
+    device scalar)."""
     call = buf.session.next_call()
-    parity = call % 2
-    word = torch.zeros(4, dtype=torch.int32, device=buf.device)
-    word[0] = verdict
-    word[1].fill_(call)  # fills, not host-to-device copies: capturable
-    word[2].fill_(layer_id)
-    word[3].fill_(_phase(call, forward_call))
-    for peer in range(buf.world_size):
-        buf.regions(peer).status[parity, buf.rank].copy_(word)
-    slot = buf.regions().status[parity]
     # A captured call compares the words on the device (and traps on a mismatch or a rejected
     # input): its replays run no host code, so no later call could raise what they route.
     captured = buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    buf.barrier(call * 4 + BARRIER_EXCHANGED, check_status=slot if captured else None)
-    status = slot.clone()
-    all_ok = (status[:, 0] == STATUS_OK).all() & (status[:, 1:] == word[1:]).all()
+    status, all_ok = buf.exchange_status(call * 4 + BARRIER_EXCHANGED, call % 2, verdict,
+                                         (call, layer_id, _phase(call, forward_call)), compare_on_device=captured)
     return status, call, all_ok
 
 
@@ -209,7 +195,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     rank's input is bad, x etc. are None) it takes part in the exchange and raises. layer_id
     names the caller in the status word (layers sharing a buffer must differ)."""
     cfg = buf.config
-    R, me, E_l, K = buf.world_size, buf.rank, buf.num_local_experts, cfg.topk
+    R, me, E_l = buf.world_size, buf.rank, buf.num_local_experts
     T = x.shape[0] if problem is None else 0
     sync = _sync_checks(buf, executor)
     if not sync:
@@ -238,9 +224,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
         (shared_pre_act,) = _run_shared(buf, shared_row, x, shared[0], shared[1])
 
     # 3. Plan from every source's ids (a rejected call routes nothing).
-    ids = torch.stack([buf.regions(s).topk_idx for s in range(R)])
-    ids = torch.where(all_ok, ids, -1)
-    plan = executor.build_plan(ids, me, E_l, executor.row_align(cfg))
+    plan = executor.build_plan(buf, all_ok, executor.row_align(cfg))
     if recv_stats is not None:
         recv_stats += plan.expert_counts.to(recv_stats.device)
 

@@ -26,11 +26,47 @@ import torch.distributed as dist
 from . import faults
 from .config import MegaMoEConfig
 from .errors import MegaMoEPeerError
-from .faults import describe_failure_mark, describe_tag, name_ranks
+from .faults import STATUS_OK, describe_failure_mark, describe_tag, name_ranks
 from .layout import BufferLayout, buffer_layout
 from .session import BufferSession
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class StatusExchange:
+    """A protocol call's status exchange, done by its first barrier: this rank's status word
+    (verdict, then the call's name: epoch, layer id, phase) goes into its row of the call's slot
+    (int32 [R, 4] at slot_offset in every rank's buffer) before it arrives; after the wait
+    status_out gets a copy of this rank's slot and all_ok (bool scalar) says whether every word
+    accepts its input (faults.STATUS_OK) and names this rank's call. compare_on_device (captured
+    CUDA calls): the device barrier also traps on a mismatch or a rejected input."""
+
+    slot_offset: int
+    verdict: torch.Tensor  # int32 scalar, on the buffer's device
+    name: tuple[int, int, int]
+    status_out: torch.Tensor
+    all_ok: torch.Tensor
+    compare_on_device: bool = False
+
+    def word(self) -> torch.Tensor:
+        word = torch.tensor([0, *self.name], dtype=torch.int32, device=self.verdict.device)
+        word[0] = self.verdict
+        return word
+
+    def slot(self, raw: torch.Tensor) -> torch.Tensor:
+        """The slot in a rank's buffer (raw: its bytes)."""
+        R = self.status_out.shape[0]
+        return raw[self.slot_offset : self.slot_offset + R * 16].view(torch.int32).view(R, 4)
+
+    def row(self, raw: torch.Tensor, rank: int) -> torch.Tensor:
+        return self.slot(raw)[rank]
+
+    def finish(self, slot: torch.Tensor, rank: int):
+        """status_out and all_ok from this rank's slot after the barrier (the device barrier's rule)."""
+        self.status_out.copy_(slot)
+        names_match = (self.status_out[:, 1:] == self.status_out[rank, 1:]).all()
+        self.all_ok.copy_((self.status_out[:, 0] == STATUS_OK).all() & names_match)
 
 
 # One rank's /dev/shm file: a header page the transport owns, then the buffer. Header int64 words:
@@ -156,8 +192,19 @@ class _SharedMemoryPeers:
                 + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
             )
 
-    def barrier(self, tag: int = 0, check_status=None):
-        # check_status is for captured CUDA calls; on CPU the protocol reads every status word on the host
+    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None):
+        """Host barrier over the files' headers, with the status exchange's steps around it when
+        given (the device barrier's, in torch ops: the word into every rank's slot before
+        arriving, this rank's slot and the all-ok verdict after)."""
+        if exchange is not None:
+            word = exchange.word()
+            for peer in self.peers:
+                exchange.row(peer, self.rank).copy_(word)
+        self._wait_for_peers(tag)
+        if exchange is not None:
+            exchange.finish(exchange.slot(self.peers[self.rank]), self.rank)
+
+    def _wait_for_peers(self, tag: int):
         me = self.headers[self.rank]
         self.arrived += 1
         n = self.arrived
@@ -322,14 +369,17 @@ class _CudaSymmetricPeers:
                 raise fault from err
             raise
 
-    def barrier(self, tag: int = 0, check_status=None):
-        """Device barrier (one Triton program on the current stream; the host never waits).
-        check_status (this call's status slot, captured calls only): also compare the ranks'
-        status words on the device, trapping on a mismatch that no later host code could raise."""
+    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None):
+        """Device barrier (one Triton program on the current stream; the host never waits), with
+        the status exchange in the same launch when given (device_barrier.py)."""
         from .device_barrier import device_barrier
 
+        fields_ = None
+        if exchange is not None:
+            e = exchange
+            fields_ = (e.slot_offset, e.verdict, e.name, e.status_out, e.all_ok, e.compare_on_device)
         device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
-                       self.fault_record, self.wait_ns, check_status)
+                       self.fault_record, self.wait_ns, fields_)
 
     def fault_error(self) -> Exception | None:
         """The error of a fault this rank's device barrier recorded before it trapped, if any."""
@@ -468,18 +518,34 @@ class SymmBuffer:
             self.check_usable()
         return self._regions[self.rank if rank is None else rank]
 
-    def barrier(self, tag: int = 0, check_status: torch.Tensor | None = None):
+    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None):
         """Cross-rank barrier: all writes any rank made before it are visible after it. `tag`
         names the protocol step (call * 4 + step). A peer at another tag, a failed peer or one
         missing past the timeout: on CPU MegaMoEPeerError here, and the buffer is unusable; on
         CUDA the device barrier records the fault and traps (`device_fault()` explains it).
-        check_status (CUDA, captured calls): this call's status slot, compared on the device."""
+        exchange: the status exchange this barrier carries (exchange_status)."""
         self.check_usable()
         try:
-            self._transport.barrier(tag, check_status)
+            self._transport.barrier(tag, exchange)
         except MegaMoEPeerError as err:
             self.fail(str(err), tag)
             raise
+
+    def exchange_status(self, tag: int, parity: int, verdict: torch.Tensor, name: tuple[int, int, int],
+                        compare_on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Barrier `tag` with the status exchange of a call (StatusExchange) in status slot
+        `parity`: this rank's verdict (int32 scalar on the device) and call name (epoch, layer
+        id, phase) to every rank. Returns (this rank's slot after the barrier, int32 [R, 4]; a
+        bool scalar: every rank accepted its input and is in this rank's call). On CUDA one
+        kernel launch; nothing is read on the host."""
+        R = self.world_size
+        region = self.layout.regions["status"]
+        exchange = StatusExchange(
+            slot_offset=region.offset + parity * R * region.row_bytes, verdict=verdict, name=name,
+            status_out=torch.empty(R, 4, dtype=torch.int32, device=self.device),
+            all_ok=torch.empty((), dtype=torch.bool, device=self.device), compare_on_device=compare_on_device)
+        self.barrier(tag, exchange)
+        return exchange.status_out, exchange.all_ok
 
     @property
     def peer_wait_ns(self) -> torch.Tensor:

@@ -31,14 +31,15 @@ pytestmark = pytest.mark.skipif((_triton_version() or (0, 0)) < (3, 8), reason="
 
 WORLD = 2
 POLL_NS = 100_000  # the interpreter's clock: each poll counts as 100 us
+SLOT_OFFSET = 4 * 8 * WORLD  # device_barrier.area_bytes(WORLD): the status slot follows the area
 
 
-def _barrier_rank(rank, areas, records, statuses, waits, steps, results):
+def _barrier_rank(rank, memories, records, waits, steps, results):
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
     from megamoe_train import device_barrier, faults
 
-    bases = torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64)
-    done = []
+    bases = torch.tensor([m.data_ptr() for m in memories], dtype=torch.int64)
+    done, exchanged = [], []
     try:
         for step in steps[rank]:
             if step[0] == "sleep":
@@ -46,33 +47,37 @@ def _barrier_rank(rank, areas, records, statuses, waits, steps, results):
             elif step[0] == "zero_wait":
                 waits[rank].zero_()
             elif step[0] == "mark_failed":  # what _CudaSymmetricPeers.mark_failed writes, per rank
-                for area in areas:
-                    area[rank * device_barrier.WORDS + device_barrier.FAILED] = step[1] + 1
-            else:
-                _, tag, timeout_s, check = step
-                status = statuses[rank] if check else None
-                device_barrier.device_barrier(
-                    bases, 0, rank, WORLD, tag, timeout_s, records[rank], waits[rank], status, poll_ns=POLL_NS
-                )
+                for memory in memories:
+                    memory[rank * device_barrier.WORDS + device_barrier.FAILED] = step[1] + 1
+            elif step[0] == "barrier":
+                _, tag, timeout_s = step
+                device_barrier.device_barrier(bases, 0, rank, WORLD, tag, timeout_s, records[rank], waits[rank],
+                                              poll_ns=POLL_NS)
+            else:  # ("exchange", tag, timeout_s, verdict, (epoch, layer, phase), compare)
+                _, tag, timeout_s, verdict, name, compare = step
+                status_out = torch.full((WORLD, 4), -7, dtype=torch.int32)
+                all_ok = torch.zeros((), dtype=torch.bool)
+                exchange = (SLOT_OFFSET, torch.tensor(verdict, dtype=torch.int32), name, status_out, all_ok, compare)
+                device_barrier.device_barrier(bases, 0, rank, WORLD, tag, timeout_s, records[rank], waits[rank],
+                                              exchange, poll_ns=POLL_NS)
+                exchanged.append((status_out.tolist(), bool(all_ok)))
             done.append(step[0])
-        results.put((rank, done, None, None))
+        results.put((rank, done, exchanged, None, None))
     except BaseException as err:  # the interpreter's stand-in for the trap (or a bug: reported too)
-        results.put((rank, done, f"{type(err).__name__}: {err}", faults.describe_fault(records[rank].tolist())))
+        results.put((rank, done, exchanged, f"{type(err).__name__}: {err}", faults.describe_fault(records[rank].tolist())))
 
 
-def run_ranks(steps, statuses=None, timeout=240):
-    from megamoe_train.device_barrier import area_bytes
+def run_ranks(steps, timeout=240):
+    """Each rank's memory: its barrier area (area_offset 0), then one status slot [WORLD, 4] int32."""
     from megamoe_train.faults import RECORD_WORDS
 
     ctx = mp.get_context("spawn")
-    areas = [torch.zeros(area_bytes(WORLD) // 8, dtype=torch.int64).share_memory_() for _ in range(WORLD)]
+    memories = [torch.zeros(SLOT_OFFSET // 8 + WORLD * 2, dtype=torch.int64).share_memory_() for _ in range(WORLD)]
     records = [torch.zeros(RECORD_WORDS, dtype=torch.int64).share_memory_() for _ in range(WORLD)]
-    statuses = statuses or [torch.zeros(WORLD, 4, dtype=torch.int32) for _ in range(WORLD)]
-    statuses = [s.share_memory_() for s in statuses]
     waits = [torch.zeros(1, dtype=torch.int64).share_memory_() for _ in range(WORLD)]
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_barrier_rank, args=(r, areas, records, statuses, waits, steps, results))
+        ctx.Process(target=_barrier_rank, args=(r, memories, records, waits, steps, results))
         for r in range(WORLD)
     ]
     for p in procs:
@@ -80,18 +85,19 @@ def run_ranks(steps, statuses=None, timeout=240):
     try:
         out = {}
         for _ in range(WORLD):
-            rank, done, err, fault = results.get(timeout=timeout)
-            out[rank] = dict(done=done, error=err, fault=fault, record=records[rank].tolist(), wait_ns=int(waits[rank]))
+            rank, done, exchanged, err, fault = results.get(timeout=timeout)
+            out[rank] = dict(done=done, exchanged=exchanged, error=err, fault=fault, record=records[rank].tolist(),
+                             wait_ns=int(waits[rank]))
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return out, areas
+    return out, memories
 
 
 def test_ranks_in_step_pass_and_count_barriers():
-    three = [("barrier", 0, 30.0, False), ("barrier", 21, 30.0, False), ("barrier", 22, 30.0, False)]
+    three = [("barrier", 0, 30.0), ("barrier", 21, 30.0), ("barrier", 22, 30.0)]
     steps = {r: three for r in range(WORLD)}
     out, areas = run_ranks(steps)
     for r in range(WORLD):
@@ -107,8 +113,8 @@ def test_ranks_in_step_pass_and_count_barriers():
 def test_wait_counter_charges_the_rank_that_waited():
     # rank 1 arrives 0.5 s late at the second barrier: rank 0 polls meanwhile (each poll counts
     # POLL_NS on the interpreter's clock), rank 1 finds rank 0 there and waits no poll at all
-    steps = {0: [("barrier", 21, 30.0, False), ("zero_wait",), ("barrier", 22, 30.0, False)],
-             1: [("barrier", 21, 30.0, False), ("zero_wait",), ("sleep", 0.5), ("barrier", 22, 30.0, False)]}
+    steps = {0: [("barrier", 21, 30.0), ("zero_wait",), ("barrier", 22, 30.0)],
+             1: [("barrier", 21, 30.0), ("zero_wait",), ("sleep", 0.5), ("barrier", 22, 30.0)]}
     out, _ = run_ranks(steps)
     assert out[0]["error"] is None and out[1]["error"] is None
     assert out[0]["wait_ns"] >= 3 * POLL_NS, out[0]
@@ -116,8 +122,8 @@ def test_wait_counter_charges_the_rank_that_waited():
 
 
 def test_barriers_of_different_calls_stop_both_ranks():
-    steps = {0: [("barrier", 21, 30.0, False), ("barrier", 22, 30.0, False)],
-             1: [("barrier", 21, 30.0, False), ("barrier", 25, 30.0, False)]}
+    steps = {0: [("barrier", 21, 30.0), ("barrier", 22, 30.0)],
+             1: [("barrier", 21, 30.0), ("barrier", 25, 30.0)]}
     out, _ = run_ranks(steps)
     assert "rank 0 at barrier 2 of call 5 met rank 1 at barrier 1 of call 6" in out[0]["fault"], out[0]
     assert "rank 1 at barrier 1 of call 6 met rank 0 at barrier 2 of call 5" in out[1]["fault"], out[1]
@@ -126,7 +132,7 @@ def test_barriers_of_different_calls_stop_both_ranks():
 
 
 def test_missing_rank_times_out_naming_it():
-    steps = {0: [("barrier", 21, 30.0, False), ("barrier", 22, 0.05, False)], 1: [("barrier", 21, 30.0, False)]}
+    steps = {0: [("barrier", 21, 30.0), ("barrier", 22, 0.05)], 1: [("barrier", 21, 30.0)]}
     out, _ = run_ranks(steps)
     assert out[1]["error"] is None
     assert out[0]["fault"].startswith("rank 0: rank 1 did not reach barrier 2 of call 5 within 0.05s"), out[0]
@@ -134,21 +140,44 @@ def test_missing_rank_times_out_naming_it():
 
 def test_rank_that_left_the_protocol_stops_its_peer_at_once():
     # rank 0 waits with a long deadline; rank 1 leaves in call 5 (a host exception) and marks it
-    steps = {0: [("barrier", 21, 30.0, False), ("barrier", 22, 1000.0, False)],
-             1: [("barrier", 21, 30.0, False), ("sleep", 0.5), ("mark_failed", 20)]}
+    steps = {0: [("barrier", 21, 30.0), ("barrier", 22, 1000.0)],
+             1: [("barrier", 21, 30.0), ("sleep", 0.5), ("mark_failed", 20)]}
     out, _ = run_ranks(steps, timeout=120)
     assert "rank 1 failed in call 5 and left the protocol" in out[0]["fault"], out[0]
 
 
-def _status(words):
-    return torch.tensor([[1, *w] for w in words], dtype=torch.int32)
+def _exchange(verdict, name, compare):
+    return ("exchange", 21, 30.0, verdict, name, compare)
+
+
+def test_status_exchange_gives_every_rank_all_words_and_the_verdict():
+    # not captured: no trap; every rank gets both words and the same all-ok answer
+    cases = [((1, (5, 1, 10)), (1, (5, 1, 10)), True),
+             ((1, (5, 1, 10)), (2, (5, 1, 10)), False),  # rank 1 rejected its input
+             ((1, (5, 1, 10)), (1, (5, 2, 10)), False)]  # rank 1 is in another layer's call
+    for (v0, n0), (v1, n1), want in cases:
+        out, _ = run_ranks({0: [_exchange(v0, n0, False)], 1: [_exchange(v1, n1, False)]})
+        for r in range(WORLD):
+            assert out[r]["error"] is None and out[r]["record"][0] == 0, out[r]
+            (status, all_ok), = out[r]["exchanged"]
+            assert status == [[v0, *n0], [v1, *n1]] and all_ok == want, (r, status, all_ok)
+
+
+def test_exchanges_alternate_slots_and_plain_barriers_write_none():
+    # a plain barrier between two exchanges leaves the slot as the first exchange wrote it
+    steps = {r: [_exchange(1, (5, 1, 10), False), ("barrier", 22, 30.0), ("exchange", 25, 30.0, 1, (6, 1, 11), False)]
+             for r in range(WORLD)}
+    out, _ = run_ranks(steps)
+    for r in range(WORLD):
+        assert out[r]["error"] is None, out[r]
+        first, second = out[r]["exchanged"]
+        assert first == ([[1, 5, 1, 10]] * 2, True) and second == ([[1, 6, 1, 11]] * 2, True), out[r]
 
 
 def test_captured_calls_compare_status_words_on_every_rank():
     # both ranks at barrier 1 of call 5, but rank 1's word names another layer
-    words = [(5, 1, 10), (5, 2, 10)]
-    steps = {r: [("barrier", 21, 30.0, True)] for r in range(WORLD)}
-    out, _ = run_ranks(steps, statuses=[_status(words), _status(words)])
+    steps = {0: [_exchange(1, (5, 1, 10), True)], 1: [_exchange(1, (5, 2, 10), True)]}
+    out, _ = run_ranks(steps)
     assert "rank 0: forward of layer 1 (call 5); rank 1: forward of layer 2 (call 5)" in out[0]["fault"], out[0]
     assert "rank 1: forward of layer 2 (call 5); rank 0: forward of layer 1 (call 5)" in out[1]["fault"], out[1]
     for r in range(WORLD):
@@ -156,18 +185,15 @@ def test_captured_calls_compare_status_words_on_every_rank():
 
 
 def test_captured_call_with_a_rejected_input_stops_every_rank():
-    status = _status([(5, 1, 10), (5, 1, 10)])
-    status[1, 0] = 2  # rank 1's verdict: bad ids
-    steps = {r: [("barrier", 21, 30.0, True)] for r in range(WORLD)}
-    out, _ = run_ranks(steps, statuses=[status.clone(), status.clone()])
+    steps = {0: [_exchange(1, (5, 1, 10), True)], 1: [_exchange(2, (5, 1, 10), True)]}  # rank 1: bad ids
+    out, _ = run_ranks(steps)
     for r in range(WORLD):
         assert "rank 1 rejected its input" in out[r]["fault"], out[r]
 
 
 def test_matching_status_words_pass():
-    words = [(5, 1, 10), (5, 1, 10)]
-    steps = {r: [("barrier", 21, 30.0, True)] for r in range(WORLD)}
-    out, _ = run_ranks(steps, statuses=[_status(words), _status(words)])
+    steps = {r: [_exchange(1, (5, 1, 10), True)] for r in range(WORLD)}
+    out, _ = run_ranks(steps)
     for r in range(WORLD):
         assert out[r]["error"] is None and out[r]["record"][0] == 0, out[r]
 
@@ -183,8 +209,9 @@ def test_kernel_compiles_for_hopper():
 
     kernel = db._barrier_kernel
     signature = {"peer_bases": "*i64", "area_offset": "i32", "me": "i32", "world": "i32", "tag": "i32",
-                 "timeout_ns": "i64", "record_addr": "i64", "status_addr": "i64", "check_status": "i32",
-                 "wait_addr": "i64"}
+                 "timeout_ns": "i64", "record_addr": "i64", "wait_addr": "i64", "slot_offset": "i64",
+                 "verdict_addr": "i64", "epoch": "i32", "layer": "i32", "phase": "i32", "status_out_addr": "i64",
+                 "ok_out_addr": "i64", "check_status": "i32"}
     constants = dict(
         GLOBALTIMER=True, POLL_NS=1000, WORDS=db.WORDS, ARRIVED=db.ARRIVED, TAGS=db.TAGS, FAILED=db.FAILED,
         STATUS_OK=db.STATUS_OK, K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,

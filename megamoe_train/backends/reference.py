@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..expert_math import store_act, swiglu, swiglu_backward
+from ..faults import STATUS_BAD, STATUS_OK
 from ..plan import Plan, build_plan
 from ..quant import dequantize_act, fake_quantize_grad, fake_quantize_tokens
 from ..symm_buffer import SymmBuffer
@@ -86,8 +87,22 @@ class ReferenceExecutor:
 
     # --------------------------------------------------------------------- plan and row movement
 
-    def build_plan(self, ids: torch.Tensor, owner: int, experts_per_rank: int, align: int) -> Plan:
-        return build_plan(ids, owner, experts_per_rank, align)
+    def build_plan(self, buf: SymmBuffer, all_ok: torch.Tensor, align: int) -> Plan:
+        """This rank's plan from every source's published ids (all -1 when the call is rejected)."""
+        ids = torch.stack([buf.regions(s).topk_idx for s in range(buf.world_size)])
+        ids = torch.where(all_ok, ids, -1)
+        return build_plan(ids, buf.rank, buf.num_local_experts, align)
+
+    def store_routing(self, cfg, topk_idx, topk_weights, ids_out, weights_out) -> torch.Tensor:
+        """Publish the routing: ids_out[:n] = the ids with those outside [-1, num_experts) as -1
+        (they route nothing), ids_out[n:] = -1, weights_out[:n] = the weights; returns this
+        rank's verdict (int32 scalar on the device): STATUS_BAD if any id was out of range."""
+        n = topk_idx.shape[0]
+        out_of_range = (topk_idx < -1) | (topk_idx >= cfg.num_experts)
+        ids_out[:n].copy_(torch.where(out_of_range, -1, topk_idx))
+        ids_out[n:].fill_(-1)
+        weights_out[:n].copy_(topk_weights)
+        return torch.where(out_of_range.any(), STATUS_BAD, STATUS_OK).to(torch.int32)
 
     def store_inputs(self, cfg, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None):
         """This rank's input rows as peers pull them (the recipe's storage) into its buffer."""

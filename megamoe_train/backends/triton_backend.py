@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..faults import STATUS_BAD, STATUS_OK
 from ..plan import Plan
 from ..quant import dequantize_tokens_t
 from ..symm_buffer import SymmBuffer
@@ -212,8 +213,16 @@ class TritonExecutor:
 
     # --------------------------------------------------------------------- plan and row movement
 
-    def build_plan(self, ids: torch.Tensor, owner: int, experts_per_rank: int, align: int) -> Plan:
-        return triton_plan.build_plan(ids, owner, experts_per_rank, align)  # plan.py's tables, on the device
+    def build_plan(self, buf: SymmBuffer, all_ok: torch.Tensor, align: int) -> Plan:
+        # plan.py's tables on the device, from the ids where every source published them
+        return triton_plan.build_plan_from_buffers(buf.peer_base_ptrs, buf.layout.regions["topk_idx"], all_ok, buf.rank,
+                                                   buf.num_local_experts, align)
+
+    def store_routing(self, cfg, topk_idx, topk_weights, ids_out, weights_out) -> torch.Tensor:
+        """The reference's store_routing in one kernel (the verdict raised by an atomic max)."""
+        verdict = torch.full((), STATUS_OK, dtype=torch.int32, device=ids_out.device)
+        K_.store_routing(topk_idx, topk_weights, ids_out, weights_out, verdict, STATUS_BAD, cfg.num_experts)
+        return verdict
 
     def store_inputs(self, cfg, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None):
         """The recipe's storage of the input rows (quant.quantize_act bit for bit) in one kernel."""

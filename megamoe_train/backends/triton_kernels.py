@@ -24,6 +24,34 @@ _TL_DTYPES = {
 }
 
 
+# ----------------------------------------------------------------------------- publish
+
+
+@triton.jit
+def _store_routing_kernel(ids, weights, ids_out, weights_out, verdict, live, total, num_experts,
+                          STATUS_BAD: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat (token, slot) index
+    m = i < live
+    g = tl.load(ids + i, mask=m, other=-1)
+    bad = m & ((g < -1) | (g >= num_experts))
+    tl.store(ids_out + i, tl.where(bad, -1, g).to(tl.int32), mask=i < total)  # tokens past n: -1
+    tl.store(weights_out + i, tl.load(weights + i, mask=m), mask=m)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(verdict, STATUS_BAD)
+
+
+def store_routing(topk_idx, topk_weights, ids_out, weights_out, verdict, status_bad: int, num_experts: int,
+                  block: int = 1024):
+    """ids_out[:n] = topk_idx with ids outside [-1, num_experts) as -1, ids_out[n:] = -1,
+    weights_out[:n] = topk_weights, and verdict (int32 scalar, set by the caller) raised to
+    status_bad if any id was out of range; n = topk_idx.shape[0]. One launch."""
+    live, total = topk_idx.numel(), ids_out.numel()
+    _store_routing_kernel[(triton.cdiv(total, block),)](
+        topk_idx.contiguous(), topk_weights.contiguous(), ids_out, weights_out, verdict, live, total, num_experts,
+        STATUS_BAD=status_bad, BLOCK=block, num_warps=4,
+    )
+
+
 # ----------------------------------------------------------------------------- row movement
 
 

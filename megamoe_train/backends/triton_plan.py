@@ -2,7 +2,9 @@
 
 plan.build_plan states the tables with ~40 torch ops (a stable argsort, scatters, cumsums):
 about 2 ms of host time per call and a few hundred microseconds of small kernels. Here the same
-tables come from a counting sort over chunks of CHUNK (source, token) pairs:
+tables come from a counting sort over chunks of CHUNK (source, token) pairs, reading each
+source's ids where they lie (its symmetric buffer, through its base address; gathering them
+into one tensor first took a ~95 us copy kernel at S1):
 
 1. count: per chunk, how many of its slots go to each local expert and how many of its pairs
    have any slot here (one histogram per chunk); also fills the output tables with -1;
@@ -27,12 +29,18 @@ CHUNK = 16  # (source, token) pairs per program of the count and place kernels
 
 
 @triton.jit
-def _local_experts(ids, chunk, num_pairs, owner, E, K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
-    """Local expert of each slot of one chunk, [CP, KP] (E: no row here), and the pair index."""
+def _local_experts(src_bases, ids_offset, ok, chunk, num_pairs, T, owner, E,
+                   K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
+    """Local expert of each slot of one chunk, [CP, KP] (E: no row here), and the pair index.
+    Pair s * T + t reads source s's ids [T, K] (int32) at src_bases[s] + ids_offset; a call
+    whose ok flag is False routes nothing."""
     pairs = chunk * CP + tl.arange(0, CP)
     ks = tl.arange(0, KP)
-    m = (pairs[:, None] < num_pairs) & (ks[None, :] < K)
-    g = tl.load(ids + pairs[:, None].to(tl.int64) * K + ks[None, :], mask=m, other=-1)
+    live = pairs < num_pairs
+    m = live[:, None] & (ks[None, :] < K) & (tl.load(ok).to(tl.int32) != 0)
+    base = tl.load(src_bases + tl.where(live, pairs // T, 0))
+    row = base + ids_offset + (pairs % T).to(tl.int64) * (K * 4)
+    g = tl.load((row[:, None] + ks[None, :] * 4).to(tl.pointer_type(tl.int32)), mask=m, other=-1)
     local = g - owner * E
     valid = m & (g >= 0) & (local >= 0) & (local < E)
     return tl.where(valid, local, E), pairs
@@ -40,11 +48,11 @@ def _local_experts(ids, chunk, num_pairs, owner, E, K: tl.constexpr, KP: tl.cons
 
 @triton.jit
 def _plan_count_kernel(
-    ids, num_pairs, owner, E, counts, pair_counts, fill, fill_len, fill_per_prog,
+    src_bases, ids_offset, ok, num_pairs, T, owner, E, counts, pair_counts, fill, fill_len, fill_per_prog,
     K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0)
-    e, _ = _local_experts(ids, c, num_pairs, owner, E, K, KP, CP)
+    e, _ = _local_experts(src_bases, ids_offset, ok, c, num_pairs, T, owner, E, K, KP, CP)
     hist = tl.histogram(tl.reshape(e, [CP * KP]), NB)  # bin E collects the slots not here
     tl.store(counts + c.to(tl.int64) * NB + tl.arange(0, NB), hist)
     pair_here = tl.max((e < E).to(tl.int32), axis=1)
@@ -81,7 +89,7 @@ def _plan_scan_kernel(counts, pair_counts, chunk_base, pair_base, totals, num_ch
 
 @triton.jit
 def _plan_place_kernel(
-    ids, num_pairs, T, owner, E, align, chunk_base, pair_base, totals, starts_scratch,
+    src_bases, ids_offset, ok, num_pairs, T, owner, E, align, chunk_base, pair_base, totals, starts_scratch,
     row_recv, row_slot, recv_src, recv_token, recv_rows, num_recv, num_rows, expert_ends, expert_counts,
     block_expert, num_blocks, blocks_per_prog,
     K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr,
@@ -94,7 +102,7 @@ def _plan_place_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
 
-    e, pairs = _local_experts(ids, c, num_pairs, owner, E, K, KP, CP)
+    e, pairs = _local_experts(src_bases, ids_offset, ok, c, num_pairs, T, owner, E, K, KP, CP)
     here = e < E
     # pool row: first row of the expert + its rows in earlier chunks + earlier slots of it here
     flat_e = tl.reshape(e, [CP * KP])
@@ -135,10 +143,25 @@ def _plan_place_kernel(
 
 
 def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int) -> Plan:
-    """plan.build_plan on the GPU: the same tables, bit for bit. ids: int32 [R, T, K]."""
+    """plan.build_plan on the GPU: the same tables, bit for bit. ids: int32 [R, T, K] in one tensor."""
     R, T, K = ids.shape
-    dev, E = ids.device, experts_per_rank
     ids = ids.to(torch.int32).contiguous()
+    bases = torch.tensor([ids.data_ptr() + s * T * K * 4 for s in range(R)], dtype=torch.int64, device=ids.device)
+    ok = torch.ones((), dtype=torch.bool, device=ids.device)
+    return _build(bases, 0, ok, R, T, K, owner, experts_per_rank, align, ids.device)
+
+
+def build_plan_from_buffers(peer_bases: torch.Tensor, ids_region, ok: torch.Tensor, owner: int, experts_per_rank: int,
+                            align: int) -> Plan:
+    """The same from every source's published ids where they lie (region `ids_region`, int32
+    [T, K], of each rank's symmetric buffer; peer_bases: their base addresses): no gathered copy
+    of the ids. ok (bool device scalar) False: the call routes nothing (empty tables)."""
+    T, K = ids_region.shape
+    return _build(peer_bases, ids_region.offset, ok, peer_bases.shape[0], T, K, owner, experts_per_rank, align,
+                  peer_bases.device)
+
+
+def _build(src_bases, ids_offset: int, ok, R: int, T: int, K: int, owner: int, E: int, align: int, dev) -> Plan:
     num_pairs = R * T
     P = max_pool_rows(R, T, K, E, align)
     num_blocks = P // align
@@ -157,14 +180,14 @@ def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int)
 
     fill_per_prog = triton.cdiv(filled.numel(), num_chunks)
     _plan_count_kernel[(num_chunks,)](
-        ids, num_pairs, owner, E, counts, pair_counts, filled, filled.numel(), fill_per_prog,
+        src_bases, ids_offset, ok, num_pairs, T, owner, E, counts, pair_counts, filled, filled.numel(), fill_per_prog,
         K=K, KP=KP, CP=CHUNK, NB=NB, FILL_BLOCK=1024, num_warps=4,
     )
     _plan_scan_kernel[(E + 1,)](counts, pair_counts, chunk_base, pair_base, totals, num_chunks, E,
                                 NB=NB, TILE=1024, num_warps=4)
     blocks_per_prog = triton.cdiv(num_blocks, num_chunks)
     _plan_place_kernel[(num_chunks,)](
-        ids, num_pairs, T, owner, E, align, chunk_base, pair_base, totals, starts_scratch,
+        src_bases, ids_offset, ok, num_pairs, T, owner, E, align, chunk_base, pair_base, totals, starts_scratch,
         row_recv, row_slot, recv_src, recv_token, recv_rows, num_recv, num_rows, expert_ends, expert_counts,
         block_expert, num_blocks, blocks_per_prog,
         K=K, KP=KP, CP=CHUNK, NB=NB, BB=64, num_warps=4,
