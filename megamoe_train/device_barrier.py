@@ -70,11 +70,11 @@ def _fence_system(x, GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit(debug=True, do_not_specialize=[
-    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "wait_addr", "slot_offset", "verdict_addr",
-    "epoch", "layer", "phase", "status_out_addr", "ok_out_addr", "check_status"])
+    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "wait_addr", "exchange", "slot_addr",
+    "verdict_addr", "epoch", "layer", "phase", "status_out_addr", "ok_out_addr", "check_status"])
 def _barrier_kernel(
     peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, wait_addr,
-    slot_offset, verdict_addr, epoch, layer, phase, status_out_addr, ok_out_addr, check_status,
+    exchange, slot_addr, verdict_addr, epoch, layer, phase, status_out_addr, ok_out_addr, check_status,
     GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
     WORDS: tl.constexpr, ARRIVED: tl.constexpr, TAGS: tl.constexpr, FAILED: tl.constexpr,
     STATUS_OK: tl.constexpr,
@@ -86,10 +86,11 @@ def _barrier_kernel(
     tag = tag.to(tl.int64)
     my_base = tl.load(peer_bases + me)
     mine = (my_base + area_offset).to(tl.pointer_type(tl.int64))
-    status = (my_base + slot_offset).to(tl.pointer_type(tl.int32))  # this call's status slot [R, 4] here
+    status = slot_addr.to(tl.pointer_type(tl.int32))  # this call's status slot [R, 4] here
+    slot_offset = slot_addr - my_base  # the same slot in every rank's buffer
     n = tl.load(mine + me * WORDS + ARRIVED, volatile=True) + 1
     parity = n % 2
-    if verdict_addr != 0:  # the status exchange: this rank's word into its row of every rank's slot
+    if exchange != 0:  # the status exchange: this rank's word into its row of every rank's slot
         verdict = tl.load(verdict_addr.to(tl.pointer_type(tl.int32)))
         for p in range(0, world):
             word = (tl.load(peer_bases + p) + slot_offset + me * 16).to(tl.pointer_type(tl.int32))
@@ -137,7 +138,7 @@ def _barrier_kernel(
                 peer = p
                 value = seen
     tl.atomic_add(wait_addr.to(tl.pointer_type(tl.int64)), _now(polls, GLOBALTIMER, POLL_NS) - start)
-    if status_out_addr != 0:  # the exchange's results: this rank's slot, and whether all is well
+    if exchange != 0:  # the exchange's results: this rank's slot, and whether all is well
         out = status_out_addr.to(tl.pointer_type(tl.int32))
         all_ok = kind == 0
         for p in range(0, world):
@@ -202,23 +203,26 @@ def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int
     the barrier area starts at area_offset bytes past each base. record: this rank's fault
     record (int64 [RECORD_WORDS], pinned host memory). wait_ns: int64 [1] (device memory on
     CUDA), the time this barrier waits is added to it. exchange: a protocol call's status
-    exchange, (slot_offset, verdict, (epoch, layer, phase), status_out, all_ok_out, compare):
-    the call's status slot at slot_offset past each base; this rank's verdict (int32 scalar,
+    exchange, (slot_addr, verdict, (epoch, layer, phase), status_out, all_ok_out, compare):
+    the address of the call's status slot in this rank's buffer (the slot lies at the same
+    offset from every rank's base); this rank's verdict (int32 scalar,
     device) and call name go into its row of every rank's slot before it arrives; after the
     wait status_out (int32 [R, 4]) gets this rank's slot and all_ok_out (bool scalar) whether
     every word says STATUS_OK and names this rank's call; compare (captured calls): trap on a
     mismatch or a rejected input."""
     f = faults
-    # Unused addresses are 0 and the flags runtime values: one compiled kernel, loaded by the
-    # buffer's creation barrier, serves every barrier, so a graph capture never compiles or
-    # loads a kernel.
-    slot_offset, verdict_addr, name, out_addr, ok_addr, compare = 0, 0, (0, 0, 0), 0, 0, False
+    # Unused addresses are the record's (every address argument is a 64-bit value, so Triton
+    # types it alike in every launch) and the flags runtime values: one compiled kernel, loaded
+    # by the buffer's creation barrier, serves every barrier, so a graph capture never compiles
+    # or loads a kernel.
+    unused = record.data_ptr()
+    slot_addr, verdict_addr, name, out_addr, ok_addr, compare = unused, unused, (0, 0, 0), unused, unused, False
     if exchange is not None:
-        slot_offset, verdict, name, status_out, all_ok_out, compare = exchange
+        slot_addr, verdict, name, status_out, all_ok_out, compare = exchange
         verdict_addr, out_addr, ok_addr = verdict.data_ptr(), status_out.data_ptr(), all_ok_out.data_ptr()
     _barrier_kernel[(1,)](
         peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(), wait_ns.data_ptr(),
-        slot_offset, verdict_addr, *name, out_addr, ok_addr, int(compare),
+        int(exchange is not None), slot_addr, verdict_addr, *name, out_addr, ok_addr, int(compare),
         GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
         WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK,
         K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,

@@ -377,7 +377,8 @@ class _CudaSymmetricPeers:
         fields_ = None
         if exchange is not None:
             e = exchange
-            fields_ = (e.slot_offset, e.verdict, e.name, e.status_out, e.all_ok, e.compare_on_device)
+            fields_ = (self.local.data_ptr() + e.slot_offset, e.verdict, e.name, e.status_out, e.all_ok,
+                       e.compare_on_device)
         device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
                        self.fault_record, self.wait_ns, fields_)
 

@@ -57,7 +57,8 @@ def _barrier_rank(rank, memories, records, waits, steps, results):
                 _, tag, timeout_s, verdict, name, compare = step
                 status_out = torch.full((WORLD, 4), -7, dtype=torch.int32)
                 all_ok = torch.zeros((), dtype=torch.bool)
-                exchange = (SLOT_OFFSET, torch.tensor(verdict, dtype=torch.int32), name, status_out, all_ok, compare)
+                slot_addr = memories[rank].data_ptr() + SLOT_OFFSET
+                exchange = (slot_addr, torch.tensor(verdict, dtype=torch.int32), name, status_out, all_ok, compare)
                 device_barrier.device_barrier(bases, 0, rank, WORLD, tag, timeout_s, records[rank], waits[rank],
                                               exchange, poll_ns=POLL_NS)
                 exchanged.append((status_out.tolist(), bool(all_ok)))
@@ -209,7 +210,7 @@ def test_kernel_compiles_for_hopper():
 
     kernel = db._barrier_kernel
     signature = {"peer_bases": "*i64", "area_offset": "i32", "me": "i32", "world": "i32", "tag": "i32",
-                 "timeout_ns": "i64", "record_addr": "i64", "wait_addr": "i64", "slot_offset": "i64",
+                 "timeout_ns": "i64", "record_addr": "i64", "wait_addr": "i64", "exchange": "i32", "slot_addr": "i64",
                  "verdict_addr": "i64", "epoch": "i32", "layer": "i32", "phase": "i32", "status_out_addr": "i64",
                  "ok_out_addr": "i64", "check_status": "i32"}
     constants = dict(
