@@ -3,8 +3,9 @@
 plan.build_plan states the tables with ~40 torch ops (a stable argsort, scatters, cumsums):
 about 2 ms of host time per call and a few hundred microseconds of small kernels. Here the same
 tables come from a counting sort over chunks of CHUNK (source, token) pairs, reading each
-source's ids where they lie (its symmetric buffer, through its base address; gathering them
-into one tensor first took a ~95 us copy kernel at S1):
+source's ids where they lie (its symmetric buffer, through its base address) instead of a
+gathered [R, T, K] copy (one copy kernel and its launch fewer per forward; the first read of
+the peers' ids after the exchange stays slow, ~95 us, whichever kernel makes it: NOTES.md):
 
 1. count: per chunk, how many of its slots go to each local expert and how many of its pairs
    have any slot here (one histogram per chunk); also fills the output tables with -1;
