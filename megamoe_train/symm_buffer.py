@@ -55,12 +55,9 @@ class StatusExchange:
         return word
 
     def slot(self, raw: torch.Tensor) -> torch.Tensor:
-        """The slot in a rank's buffer (raw: its bytes)."""
-        R = self.status_out.shape[0]
-        return raw[self.slot_offset : self.slot_offset + R * 16].view(torch.int32).view(R, 4)
-
-    def row(self, raw: torch.Tensor, rank: int) -> torch.Tensor:
-        return self.slot(raw)[rank]
+        """The slot in a rank's buffer (raw: its bytes), shaped like status_out."""
+        nbytes = self.status_out.numel() * self.status_out.element_size()
+        return raw[self.slot_offset : self.slot_offset + nbytes].view(torch.int32).view(self.status_out.shape)
 
     def finish(self, slot: torch.Tensor, rank: int):
         """status_out and all_ok from this rank's slot after the barrier (the device barrier's rule)."""
@@ -199,7 +196,7 @@ class _SharedMemoryPeers:
         if exchange is not None:
             word = exchange.word()
             for peer in self.peers:
-                exchange.row(peer, self.rank).copy_(word)
+                exchange.slot(peer)[self.rank].copy_(word)
         self._wait_for_peers(tag)
         if exchange is not None:
             exchange.finish(exchange.slot(self.peers[self.rank]), self.rank)
