@@ -2,10 +2,12 @@
 variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
 with the measured peaks.
 
-  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad,wgrad_acc]
+  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad,wgrad_acc] [--routed]
 
 Per layer shape (bench_layer.SHAPES, plus "proxy", the DeepSeek-V3 training proxy) the rank's
-pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 rows.
+pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 rows; with --routed
+(fwd only) each expert's rows drawn as uniform routing gives them and padded to 16, as in the
+layer, where an expert's last 128-row tile is mostly partial.
 - fwd (forward and dgrad, row-grouped): forward L1 (N=2I, K=H) and L2 (N=H, K=I), and the
   backward dgrads L2 (N=I, K=H) and L1 (N=H, K=2I). TFLOP/s count 2*M*N*K useful FLOPs.
 - wgrad (K-grouped, out [G, M, N]): W2 grad (M=H, N=I) and W1 grad (M=2I, N=H), K = each expert's
@@ -64,24 +66,42 @@ def peaks(dev) -> tuple[float, float, float]:
     return bf16, fp8, write
 
 
-def case(name, groups, rows_per_group, n, k, dgrad, dev):
-    """Every implementation on one GEMM; returns {label: ms} and the CUTLASS fp8 error."""
-    m = groups * rows_per_group
-    ends = (torch.arange(1, groups + 1, device=dev) * rows_per_group).to(torch.int32)
+def pool_sizes(shape: str, ep: int, routed: bool, seed: int = 0) -> tuple[list[int], int]:
+    """(rows per local expert group, useful rows) of one rank's pool: every expert exactly the mean
+    rounded up to 128 rows, or (routed) as the layer's pool under uniform routing: each expert's
+    slot count drawn Binomial(tokens of all ranks, topk / E), padded to 16 rows (the executor's
+    GROUP_ALIGN), so most experts end in a partial 128-row tile."""
+    E, topk, H, I, T = SHAPES[shape]
+    groups = E // ep
+    if not routed:
+        rows = max(128, -(-T * topk // groups // 128) * 128)
+        return [rows] * groups, rows * groups
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.binomial(torch.full((groups,), float(T * ep)), torch.full((groups,), topk / E), generator=gen)
+    counts = [int(c) for c in counts.tolist()]
+    return [-(-c // 16) * 16 for c in counts], sum(counts)
+
+
+def case(name, sizes, n, k, dgrad, dev):
+    """Every implementation on one GEMM over expert groups of `sizes` rows; returns {label: ms}
+    and {label: relative error}. The Triton kernel runs only where every group is a
+    multiple of 128 rows (its block table)."""
+    groups, m = len(sizes), sum(sizes)
+    ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(groups, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
     aq, a_s = quantize_act(a, FP8)
     bq, b_s = quantize_weight(b, FP8)
-    block_expert = (torch.arange(m // 128, device=dev) // (rows_per_group // 128)).to(torch.int32)
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     times, errors = {}, {}
     # reference: the dequantized product of the first and last group
+    first, last = sizes[0], sizes[-1]
     ad, bd = dequantize_act(aq, a_s, FP8), dequantize_weight(bq, b_s, FP8)
-    ref = torch.cat([ad[:rows_per_group] @ bd[0].t(), ad[-rows_per_group:] @ bd[-1].t()])
-    ref_bf16 = torch.cat([a[:rows_per_group].float() @ b[0].float().t(), a[-rows_per_group:].float() @ b[-1].float().t()])
+    ref = torch.cat([ad[:first] @ bd[0].t(), ad[m - last:] @ bd[-1].t()])
+    ref_bf16 = torch.cat([a[:first].float() @ b[0].float().t(), a[m - last:].float() @ b[-1].float().t()])
 
     def err(reference):
-        got = torch.cat([out[:rows_per_group], out[-rows_per_group:]]).float()
+        got = torch.cat([out[:first], out[m - last:]]).float()
         return float((got - reference).norm() / reference.norm())
 
     if cutlass_gemm.available(dev):
@@ -98,8 +118,11 @@ def case(name, groups, rows_per_group, n, k, dgrad, dev):
                 label = f"cutlass_bf16 v{variant} s{swizzle}"
                 times[label] = bench(lambda: cutlass_gemm.bf16_grouped_gemm(a, b_in, ends, out, layout, variant, swizzle))
                 errors[label] = err(ref_bf16)
-    times["triton_fp8"] = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_m=128))
-    errors["triton_fp8"] = err(ref)
+    if all(size % 128 == 0 for size in sizes):
+        block_expert = torch.repeat_interleave(torch.arange(groups, device=dev),
+                                               torch.tensor(sizes, device=dev) // 128).to(torch.int32)
+        times["triton_fp8"] = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_m=128))
+        errors["triton_fp8"] = err(ref)
     b_torch = b.transpose(1, 2).contiguous().transpose(1, 2) if dgrad else b  # same storage as ours
     times["torch_bf16"] = bench(lambda: torch._grouped_mm(a, b_torch.transpose(1, 2), offs=ends))
     a_row = a.float().abs().amax(1).clamp_min(1e-4) / 448
@@ -111,7 +134,7 @@ def case(name, groups, rows_per_group, n, k, dgrad, dev):
             aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16))
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:100]}")
-    return m, times, errors
+    return times, errors
 
 
 def wgrad_case(groups, rows_per_group, m, n, dev):
@@ -204,6 +227,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="S1,S2,S3,S4")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks the shape is split over")
+    p.add_argument("--routed", action="store_true",
+                   help="fwd: expert groups sized as the layer's pool under uniform routing (padded to 16 rows; "
+                        "TFLOP/s count the routed rows) instead of exactly the mean, rounded up to 128")
     p.add_argument("--gemms", default="fwd,wgrad,wgrad_acc",
                    help="fwd (forward and dgrad GEMMs), wgrad (weight gradients), wgrad_acc (accumulated into fp32)")
     args = p.parse_args()
@@ -227,11 +253,10 @@ def main():
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape in args.shapes.split(","):
             E, topk, H, I, T = SHAPES[shape]
-            groups = E // args.ep
-            rows = max(128, -(-T * topk // groups // 128) * 128)
+            sizes, m = pool_sizes(shape, args.ep, args.routed)
             for name, n, k, dgrad in (("L1 fwd", 2 * I, H, False), ("L2 fwd", H, I, False), ("L2 dgrad", I, H, True),
                                       ("L1 dgrad", H, 2 * I, True)):
-                m, times, errors = case(name, groups, rows, n, k, dgrad, dev)
+                times, errors = case(name, sizes, n, k, dgrad, dev)
                 tf = lambda ms: 2.0 * m * n * k / ms / 1e9  # noqa: E731
                 floor = 2.0 * m * n * k / fp8_peak / 1e9
                 print(f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | {best(times, 'triton_fp8', tf)} | "

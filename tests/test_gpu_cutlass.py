@@ -60,10 +60,11 @@ def rel_err(x, ref):
         ([1024, 512], 4096, 2048),  # a layer's L2 width
     ],
 )
-def test_matches_dequantized_product(sizes, n, k):
+@pytest.mark.parametrize("variant", range(getattr(cutlass_gemm._cuda, "FP8_VARIANTS", 1)))
+def test_matches_dequantized_product(sizes, n, k, variant):
     aq, a_s, bq, b_s, ends = make_case(sizes, n, k)
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
-    cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out)
+    cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant=variant)
     ref = reference(aq, a_s, bq, b_s, ends)
     live = int(ends[-1])
     assert torch.isnan(out[live:]).all(), "rows past the last group were written"
@@ -71,7 +72,7 @@ def test_matches_dequantized_product(sizes, n, k):
     # bf16 output rounding (2^-9 relative) dominates; accumulation order differs from torch's
     assert rel_err(out[:live], ref[:live]) < 4e-3
     again = torch.full_like(out, float("nan"))
-    cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, again)
+    cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, again, variant=variant)
     assert torch.equal(out[:live], again[:live]), "not bitwise repeatable"
 
 
