@@ -43,7 +43,7 @@ import torch
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .expert_math import shared_backward, shared_forward
 from .faults import STATUS_BAD, STATUS_OK, describe_word
-from .plan import Plan, owner_mask
+from .plan import Plan
 from .symm_buffer import SymmBuffer
 from .weights import ExpertWeights
 
@@ -237,9 +237,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     if shared is not None:
         _join_shared(buf)
     buf.barrier(call * 4 + BARRIER_PUSHED)
-    own_ids = buf.regions().topk_idx[:T]
-    own_mask = (own_ids >= 0) & all_ok
-    partial_mask = owner_mask(own_ids, R, E_l) & all_ok
+    own_mask, partial_mask = executor.routing_masks(buf.regions().topk_idx[:T], all_ok, R, E_l)
     y = executor.reduce_partials(buf, partial_mask, T, shared is not None)
     if not sync:
         buf.session.defer(status, call)

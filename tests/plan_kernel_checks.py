@@ -101,11 +101,30 @@ def check_store_routing(device):
         assert a_v == (STATUS_BAD if bool(((ids < -1) | (ids >= E)).any()) else STATUS_OK)
 
 
+def check_routing_masks(device):
+    """The Triton executor's owner masks equal the reference's: every routing of CASES (ids as
+    published: out of range already -1), the call accepted and rejected, 8 ranks and K = 6 (not
+    powers of the kernel's blocks)."""
+    from megamoe_train.backends import triton_kernels as K_
+    from megamoe_train.backends.reference import ReferenceExecutor
+
+    for R, E, T, K, _ in CASES + [(8, 16, 70, 6, 1)]:
+        for name, ids in routings(R, E, T, K, seed=R * 100 + T):
+            ids = torch.where((ids >= 0) & (ids < E), ids, -1).to(torch.int32)[0].to(device)
+            for ok in (True, False):
+                all_ok = torch.tensor(ok, device=device)
+                want = ReferenceExecutor().routing_masks(ids, all_ok, R, E // R)
+                got = K_.routing_masks(ids, all_ok, R, E // R)
+                for w, g in zip(want, got):
+                    assert g.dtype == torch.bool and torch.equal(w, g), f"routing masks differ: {(R, E, T, K, name, ok)}"
+
+
 def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     check_plan_tables("cpu")
     check_plan_from_buffers("cpu")
     check_store_routing("cpu")
+    check_routing_masks("cpu")
     print("all plan checks passed")
 
 

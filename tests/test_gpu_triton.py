@@ -297,14 +297,16 @@ def test_wgrad_quantize_tokens_t_kernel():
 def test_device_plan_tables():
     """The device plan (backends/triton_plan.py) equals plan.build_plan table by table on CUDA:
     random, skewed, one-expert and empty routings; aligns 1-128; K not a power of two; ids read
-    from separate buffers with the call's ok flag; and the routing's publication (store_routing)."""
+    from separate buffers with the call's ok flag; the routing's publication (store_routing) and the
+    owner masks (routing_masks)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from plan_kernel_checks import check_plan_from_buffers, check_plan_tables, check_store_routing
+    from plan_kernel_checks import check_plan_from_buffers, check_plan_tables, check_routing_masks, check_store_routing
 
     check_plan_tables("cuda")
     check_plan_from_buffers("cuda")
     check_store_routing("cuda")
+    check_routing_masks("cuda")
 
 
 @pytest.mark.parametrize("world", WORLDS)

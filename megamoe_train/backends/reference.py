@@ -33,7 +33,7 @@ import torch
 
 from ..expert_math import store_act, swiglu, swiglu_backward
 from ..faults import STATUS_BAD, STATUS_OK
-from ..plan import Plan, build_plan
+from ..plan import Plan, build_plan, owner_mask
 from ..quant import dequantize_act, fake_quantize_grad, fake_quantize_tokens
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights, deinterleave_gate_up
@@ -103,6 +103,12 @@ class ReferenceExecutor:
         ids_out[n:].fill_(-1)
         weights_out[:n].copy_(topk_weights)
         return torch.where(out_of_range.any(), STATUS_BAD, STATUS_OK).to(torch.int32)
+
+    def routing_masks(self, ids: torch.Tensor, all_ok: torch.Tensor, num_ranks: int, experts_per_rank: int):
+        """(own [T, K]: the slots of this rank's published ids that carried a row, partial [T, R]:
+        the owners that pushed a partial row per token), both bool and empty when the call was
+        rejected (all_ok False)."""
+        return (ids >= 0) & all_ok, owner_mask(ids, num_ranks, experts_per_rank) & all_ok
 
     def store_inputs(self, cfg, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None):
         """This rank's input rows as peers pull them (the recipe's storage) into its buffer."""

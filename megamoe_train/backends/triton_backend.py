@@ -224,6 +224,10 @@ class TritonExecutor:
         K_.store_routing(topk_idx, topk_weights, ids_out, weights_out, verdict, STATUS_BAD, cfg.num_experts)
         return verdict
 
+    def routing_masks(self, ids: torch.Tensor, all_ok: torch.Tensor, num_ranks: int, experts_per_rank: int):
+        """The reference's routing_masks in one kernel (about ten small torch kernels there)."""
+        return K_.routing_masks(ids, all_ok, num_ranks, experts_per_rank)
+
     def store_inputs(self, cfg, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None):
         """The recipe's storage of the input rows (quant.quantize_act bit for bit) in one kernel."""
         if scales is None:

@@ -494,6 +494,41 @@ def dequantize_rows(data, scales, out, num_rows):
 
 
 @triton.jit
+def _routing_masks_kernel(ids, ok, own, partial, T, experts_per_rank, num_ranks,
+                          K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """own[t, k] = ids[t, k] >= 0 and the call's ok flag; partial[t, r] = some slot of t carried
+    a row to an expert of rank r (the owners that pushed a partial row). ids are as published
+    (out-of-range ones already -1)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.arange(0, KP)
+    live = rows < T
+    m = live[:, None] & (ks[None, :] < K)
+    g = tl.load(ids + rows[:, None].to(tl.int64) * K + ks[None, :], mask=m, other=-1)
+    carried = (g >= 0) & (tl.load(ok).to(tl.int32) != 0)
+    tl.store(own + rows[:, None].to(tl.int64) * K + ks[None, :], carried.to(tl.uint8), mask=m)
+    ranks = tl.arange(0, RP)
+    to_rank = carried[:, :, None] & ((g // experts_per_rank)[:, :, None] == ranks[None, None, :])
+    pushed = tl.max(to_rank.to(tl.int32), axis=1)
+    tl.store(partial + rows[:, None].to(tl.int64) * num_ranks + ranks[None, :], pushed.to(tl.uint8),
+             mask=live[:, None] & (ranks[None, :] < num_ranks))
+
+
+def routing_masks(ids, ok, num_ranks: int, experts_per_rank: int):
+    """(own bool [T, K], partial bool [T, R]) of this rank's published ids in one launch (the
+    reference executor's routing_masks, bit for bit)."""
+    T, K = ids.shape
+    own = torch.empty(T, K, dtype=torch.bool, device=ids.device)
+    partial = torch.empty(T, num_ranks, dtype=torch.bool, device=ids.device)
+    if T:
+        _routing_masks_kernel[(triton.cdiv(T, 64),)](
+            ids, ok, own.view(torch.uint8), partial.view(torch.uint8), T, experts_per_rank, num_ranks,
+            K=K, KP=triton.next_power_of_2(K), RP=triton.next_power_of_2(num_ranks), BLOCK_T=64, num_warps=4,
+        )
+    return own, partial
+
+
+
+@triton.jit
 def _reduce_partials_kernel(
     partials, part_stride, mask, out, T, H, num_ranks,
     HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -515,6 +550,13 @@ def _reduce_partials_kernel(
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=rmask[:, None])
 
 
+def _as_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as the uint8 the kernels read (a view where it already is one, no copy)."""
+    if mask.dtype == torch.bool and mask.is_contiguous():
+        return mask.view(torch.uint8)
+    return mask.to(torch.uint8).contiguous()
+
+
 def reduce_partials(partials, mask, num_tokens: int, has_shared: bool, out_dtype):
     """Deterministic sum of a [S, T_max, H] partials region for the first num_tokens tokens;
     mask bool [T, R] says which owners pushed a row."""
@@ -526,7 +568,7 @@ def reduce_partials(partials, mask, num_tokens: int, has_shared: bool, out_dtype
     assert H % 128 == 0
     grid = (triton.cdiv(num_tokens, 16), H // 128)
     _reduce_partials_kernel[grid](
-        partials, partials.stride(0), mask.to(torch.uint8).contiguous(), out, num_tokens, H, num_ranks,
+        partials, partials.stride(0), _as_bytes(mask), out, num_tokens, H, num_ranks,
         HAS_SHARED=has_shared, BLOCK_T=16, BLOCK_H=128, num_warps=4,
     )
     return out
