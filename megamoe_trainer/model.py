@@ -83,6 +83,10 @@ def build_model(recipe, device: str):
     spec = layer_spec(recipe, cfg)
     if device == "cuda" and recipe.model.fused_rope:
         use_compiled_rope()
+    if device == "cuda" and recipe.moe.fused_router_topk:
+        from megatron_patch import use_fused_router_topk
+
+        use_fused_router_topk()
     m = recipe.model
     gpt = GPTModel(
         cfg, spec, vocab_size=m.vocab_size, max_sequence_length=m.seq_length,

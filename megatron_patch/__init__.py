@@ -6,7 +6,8 @@
 
 Megatron-LM: `--spec megatron_patch.spec get_megamoe_gpt_decoder_block_spec`. HybridModel:
 `get_megamoe_hybrid_stack_spec(config, stack_spec)`.
-On CPU-only hosts call `megatron_patch.cpu_compat.apply()` first.
+On CPU-only hosts call `megatron_patch.cpu_compat.apply()` first. `use_fused_router_topk()` makes
+the router's expert selection one Triton kernel per call on the GPU (routing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .config import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
+from .routing import use_fused_router_topk
 from .spec import (
     get_megamoe_gpt_decoder_block_spec,
     get_megamoe_gpt_layer_spec,
@@ -40,5 +42,6 @@ __all__ = [
     "megamoe_config",
     "register_megakernel_backend",
     "routing_to_topk",
+    "use_fused_router_topk",
     "validate_megamoe",
 ]
