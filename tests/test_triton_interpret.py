@@ -2,24 +2,15 @@
 (tests/fp8_backward_checks.py, in a subprocess with TRITON_INTERPRET=1), and the fp8 wgrad's
 operand quantization kernel. Skipped without triton."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 
-TESTS = Path(__file__).parent
+from interpreted import run_interpreted  # noqa: E402
 
 
 def _run_checks(*args):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(TESTS / "fp8_backward_checks.py"), *args], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, f"interpreter checks failed:\n{run.stdout}\n{run.stderr[-4000:]}"
-    assert "all interpreter checks passed" in run.stdout
+    run_interpreted("fp8_backward_checks.py", "all interpreter checks passed", *args, timeout=300)
 
 
 def test_fp8_backward_kernels_in_triton_interpreter():
