@@ -106,7 +106,7 @@ class ReferenceExecutor:
 
     def routing_masks(self, ids: torch.Tensor, all_ok: torch.Tensor, num_ranks: int, experts_per_rank: int):
         """(own [T, K]: the slots of this rank's published ids that carried a row, partial [T, R]:
-        the owners that pushed a partial row per token), both bool and empty when the call was
+        the owners that pushed a partial row per token), both bool; all False when the call was
         rejected (all_ok False)."""
         return (ids >= 0) & all_ok, owner_mask(ids, num_ranks, experts_per_rank) & all_ok
 

@@ -527,7 +527,6 @@ def routing_masks(ids, ok, num_ranks: int, experts_per_rank: int):
     return own, partial
 
 
-
 @triton.jit
 def _reduce_partials_kernel(
     partials, part_stride, mask, out, T, H, num_ranks,
