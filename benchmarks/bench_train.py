@@ -14,7 +14,8 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
   steps, median over the timed steps), next to the experts' load max/mean: a step paced by a
   busier or host-late peer shows here, not in the kernels. (The profiled steps' barrier time
   overstates it: the profiler slows each rank's host unevenly, and a host-late peer then shows
-  as a waiting GPU.);
+  as a waiting GPU.) Below the table: per variant, in how many timed steps each EP rank was the
+  most-waiting one (a rank that waits in nearly every step has a slower peer);
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
 - loss agreement with the stock variant: max relative difference of the per-step losses, and the
   relative difference of the mean of the last 20 losses.
@@ -98,6 +99,9 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
         "moe_share_of_kernel_time": prof and prof["moe_share"],
         # the most-waiting rank's MegaMoE barriers standing still for their peers, unprofiled steps
         "peer_wait_ms_per_step": _median([max(r["peer_wait_ms"]) if r.get("peer_wait_ms") else None for r in timed]),
+        # per EP rank, the timed steps in which it waited most (the others were behind it): a rank
+        # that waits in nearly every step has a slower peer, host or GPU
+        "most_waiting_rank_steps": _most_waiting(timed),
         # experts' load max/mean (median over the timed steps): what the peers wait for
         "expert_load_imbalance": _median([r.get("load_imbalance") for r in timed]),
         "profile_rank0": prof,
@@ -113,6 +117,16 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
         row["loss_max_rel_diff_vs_stock"] = max(_rel(a, b) for a, b in zip(mine[:n], ref[:n]))
         row["loss_last20_mean_rel_diff_vs_stock"] = _rel(sum(mine[n - tail:n]) / tail, sum(ref[n - tail:n]) / tail)
     return row
+
+
+def _most_waiting(records) -> dict[int, int] | None:
+    counts: dict[int, int] = {}
+    for r in records:
+        waits = r.get("peer_wait_ms")
+        if waits:
+            rank = max(range(len(waits)), key=waits.__getitem__)
+            counts[rank] = counts.get(rank, 0) + 1
+    return dict(sorted(counts.items())) or None
 
 
 def _median(values):
@@ -142,6 +156,10 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
             f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")
+    waiting = [f"{r['variant']}: " + ", ".join(f"rank {k} in {v}" for k, v in r["most_waiting_rank_steps"].items())
+               for r in rows if r.get("most_waiting_rank_steps")]
+    if waiting:
+        lines += ["", "Most-waiting EP rank (timed steps): " + "; ".join(waiting)]
     return "\n".join(lines)
 
 

@@ -79,7 +79,11 @@ class ProgressReport:
         self.window.append(record["loss"])
         if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
             imb, gn = record.get("load_imbalance"), record["grad_norm"]
-            wait = f" | peer wait {max(record['peer_wait_ms']):.1f} ms" if "peer_wait_ms" in record else ""
+            wait = ""
+            if "peer_wait_ms" in record:  # the most-waiting rank: the other ranks were behind it
+                waits = record["peer_wait_ms"]
+                most = max(range(len(waits)), key=waits.__getitem__)
+                wait = f" | peer wait {waits[most]:.1f} ms on EP rank {most}"
             avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
             self.window.clear()
             print(
