@@ -39,7 +39,7 @@ def main():
     from megatron.core.transformer.moe import moe_utils
 
     from megatron_patch import moe_layer
-    from megatron_patch.routing import fused_aux_loss_scores, fused_topk_routing, routing_map_slots
+    from megatron_patch.routing import argsort_slots, fused_aux_loss_scores, fused_topk_routing, routing_map_slots
 
     dev = torch.device("cuda")
     T, E, K = args.tokens, args.experts, args.topk
@@ -47,12 +47,9 @@ def main():
     logits = torch.randn(T, E, device=dev)
     bias = torch.randn(E, device=dev) * 0.01 if args.score_function == "sigmoid" else None
 
-    def argsort_slots(routing_map, topk):  # routing_to_topk before the slots kernel
-        idx = torch.argsort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)[:, :topk]
-        return torch.where(routing_map.gather(1, idx), idx, -1)
-
     variants = {
-        "torch": (moe_utils.topk_routing_with_score_function, moe_utils.compute_routing_scores_for_aux_loss, argsort_slots),
+        # torch: routing_to_topk's slots before the kernel (its CPU path)
+    "torch": (moe_utils.topk_routing_with_score_function, moe_utils.compute_routing_scores_for_aux_loss, argsort_slots),
         "fused": (fused_topk_routing(moe_utils.topk_routing_with_score_function),
                   fused_aux_loss_scores(moe_utils.compute_routing_scores_for_aux_loss), routing_map_slots),
     }

@@ -371,13 +371,12 @@ class _CudaSymmetricPeers:
         the status exchange in the same launch when given (device_barrier.py)."""
         from .device_barrier import device_barrier
 
-        fields_ = None
+        exchange_args = None
         if exchange is not None:
-            e = exchange
-            fields_ = (self.local.data_ptr() + e.slot_offset, e.verdict, e.name, e.status_out, e.all_ok,
-                       e.compare_on_device)
+            exchange_args = (self.local.data_ptr() + exchange.slot_offset, exchange.verdict, exchange.name,
+                             exchange.status_out, exchange.all_ok, exchange.compare_on_device)
         device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
-                       self.fault_record, self.wait_ns, fields_)
+                       self.fault_record, self.wait_ns, exchange_args)
 
     def fault_error(self) -> Exception | None:
         """The error of a fault this rank's device barrier recorded before it trapped, if any."""

@@ -30,7 +30,7 @@ from megamoe_train.graphs import GraphedMegaMoE
 
 from .config import MegaMoEConfigError, megamoe_config, megamoe_enabled, validate_megamoe
 from .experts import MegaMoEExperts, native_expert_weights
-from .routing import routing_map_slots
+from .routing import argsort_slots, routing_map_slots
 
 __all__ = ["MegaMoEMoELayer", "get_expert_load", "routing_to_topk"]
 
@@ -46,8 +46,7 @@ def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int) -
         raise ValueError(f"routing_map has {routing_map.shape[1]} experts < topk={topk}")
     topk_idx = routing_map_slots(routing_map, topk)  # one kernel on the GPU
     if topk_idx is None:
-        idx = torch.argsort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)[:, :topk]
-        topk_idx = torch.where(routing_map.gather(1, idx), idx, -1)
+        topk_idx = argsort_slots(routing_map, topk)
     valid = topk_idx >= 0
     topk_weights = torch.where(valid, probs.gather(1, topk_idx.clamp_min(0)).float(), 0.0)
     return topk_idx, topk_weights

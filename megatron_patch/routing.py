@@ -31,7 +31,7 @@ try:
 except ImportError:  # CPU-only installs without triton: the torch paths run
     triton = None
 
-__all__ = ["select_topk", "routing_map_slots", "use_fused_router_topk", "fused_router_topk_installed"]
+__all__ = ["select_topk", "routing_map_slots", "argsort_slots", "use_fused_router_topk", "fused_router_topk_installed"]
 
 ROWS = 16  # tokens per program
 MAX_EXPERTS = 1024  # one row of scores lives in registers
@@ -117,6 +117,12 @@ def select_topk(scores: torch.Tensor, topk: int, num_groups: int | None = None,
         _select_topk_kernel[(triton.cdiv(T, ROWS),)](scores, out, T, E, scores.stride(0), K=topk, EP=EP, G=G, GK=GK, M=M,
                                                       ROWS=ROWS, num_warps=4)
     return out
+
+
+def argsort_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """routing_map_slots in torch ops (a stable descending argsort of the map): any device."""
+    idx = torch.argsort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)[:, :topk]
+    return torch.where(routing_map.gather(1, idx), idx, -1)
 
 
 def routing_map_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor | None:
