@@ -122,10 +122,8 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
 def _most_waiting(records) -> dict[int, int] | None:
     counts: dict[int, int] = {}
     for r in records:
-        waits = r.get("peer_wait_ms")
-        if waits:
-            rank = max(range(len(waits)), key=waits.__getitem__)
-            counts[rank] = counts.get(rank, 0) + 1
+        if "peer_wait_most_rank" in r:  # the trainer's report names it per step
+            counts[r["peer_wait_most_rank"]] = counts.get(r["peer_wait_most_rank"], 0) + 1
     return dict(sorted(counts.items())) or None
 
 

@@ -74,16 +74,17 @@ class ProgressReport:
             record["load_imbalance_worst_layer"] = layer_imb.max().item()
             record["expert_load"] = load.tolist()
         if peer_wait is not None:
-            record["peer_wait_ms"] = [v / 1e6 for v in peer_wait.tolist()]
+            waits = record["peer_wait_ms"] = [v / 1e6 for v in peer_wait.tolist()]
+            # the EP rank that waited most: the other ranks were behind it this step
+            record["peer_wait_most_rank"] = max(range(len(waits)), key=waits.__getitem__)
         self.metrics.append(record)
         self.window.append(record["loss"])
         if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
             imb, gn = record.get("load_imbalance"), record["grad_norm"]
             wait = ""
-            if "peer_wait_ms" in record:  # the most-waiting rank: the other ranks were behind it
-                waits = record["peer_wait_ms"]
-                most = max(range(len(waits)), key=waits.__getitem__)
-                wait = f" | peer wait {waits[most]:.1f} ms on EP rank {most}"
+            if "peer_wait_ms" in record:
+                most = record["peer_wait_most_rank"]
+                wait = f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most}"
             avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
             self.window.clear()
             print(
