@@ -16,6 +16,8 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
   overstates it: the profiler slows each rank's host unevenly, and a host-late peer then shows
   as a waiting GPU.) Below the table: per variant, in how many timed steps each EP rank was the
   most-waiting one (a rank that waits in nearly every step has a slower peer);
+- host GC: ms per step the slowest rank's host spent in Python garbage collection (mean over the
+  timed steps; with train.manual_gc only the scheduled collections every train.gc_every steps);
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
 - loss agreement with the stock variant: max relative difference of the per-step losses, and the
   relative difference of the mean of the last 20 losses.
@@ -46,6 +48,12 @@ VARIANTS = {
     "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
     "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
     "stock": (None, []),
+    # host-side A/Bs: the interpreter's automatic garbage collector, unpinned rank processes, both
+    # (the trainer before train.manual_gc and parallel.pin_cpus), and the router's top-k kernel
+    "bf16-auto-gc": ("bf16", ["train.manual_gc=false"]),
+    "bf16-unpinned": ("bf16", ["parallel.pin_cpus=false"]),
+    "bf16-auto-gc-unpinned": ("bf16", ["train.manual_gc=false", "parallel.pin_cpus=false"]),
+    "bf16-router-kernel": ("bf16", ["moe.fused_router_topk=true"]),
 }
 
 
@@ -102,6 +110,9 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
         # per EP rank, the timed steps in which it waited most (the others were behind it): a rank
         # that waits in nearly every step has a slower peer, host or GPU
         "most_waiting_rank_steps": _most_waiting(timed),
+        # the slowest rank's host in Python garbage collection, mean over the timed steps (pauses
+        # are rare and long, so a median would hide them)
+        "host_gc_ms_per_step": _mean([max(r["host_gc_ms"]) if r.get("host_gc_ms") else None for r in timed]),
         # experts' load max/mean (median over the timed steps): what the peers wait for
         "expert_load_imbalance": _median([r.get("load_imbalance") for r in timed]),
         "profile_rank0": prof,
@@ -127,6 +138,11 @@ def _most_waiting(records) -> dict[int, int] | None:
     return dict(sorted(counts.items())) or None
 
 
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -138,19 +154,19 @@ def _fmt(x, spec, scale=1.0, none="n/a"):
 
 def markdown(rows: list[dict], recipe: str, steps: int) -> str:
     lines = [f"`{os.path.basename(recipe)}`, {steps} steps per variant", "",
-             "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | expert load max/mean | "
-             "peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | its rel diff vs stock |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | host GC ms/step | "
+             "expert load max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | its rel diff vs stock |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | | | |")
+            lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | | | | |")
             continue
         tail = r["losses"][-20:]
         mem = r["peak_memory_gib"]
         lines.append(
             f"| {r['variant']} | {r['tokens_per_s']:.0f} | {_fmt(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} | "
             f"{_fmt(r['gpu_busy_fraction'], '.0%')} | {_fmt(r['moe_share_of_kernel_time'], '.0%')} | "
-            f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | "
+            f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | {_fmt(r.get('host_gc_ms_per_step'), '.1f')} | "
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
             f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")

@@ -29,6 +29,54 @@ def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo"):
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
 
 
+def _parse_cpulist(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11} (the kernel's cpulist format)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_local_cpus(device: int) -> set[int]:
+    """The CPUs on the GPU's NUMA node (sysfs `local_cpulist` of its PCI device), within the ones
+    this process may use; all of those where the kernel does not say."""
+    allowed = os.sched_getaffinity(0)
+    p = torch.cuda.get_device_properties(device)
+    path = f"/sys/bus/pci/devices/{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0/local_cpulist"
+    try:
+        with open(path) as f:
+            local = _parse_cpulist(f.read()) & allowed
+    except (OSError, ValueError):
+        local = set()
+    return local or set(allowed)
+
+
+def rank_cpus(rank: int, world_size: int) -> list[int]:
+    """This rank's share of its GPU's local CPUs: the ranks of this host whose GPUs have the same
+    local CPUs split them into equal contiguous parts, in rank order (one rank per GPU)."""
+    count = torch.cuda.device_count()
+    local = [sorted(gpu_local_cpus(r % count)) for r in range(world_size)]
+    mine = local[rank]
+    sharing = [r for r in range(world_size) if local[r] == mine]
+    per = max(1, len(mine) // len(sharing))
+    start = sharing.index(rank) * per
+    return mine[start:start + per] or mine
+
+
+def place_rank(rank: int, world_size: int, backend: str, pin_cpus: bool = True):
+    """Threads (and on GPUs, cores) for this rank's process. With pin_cpus on NCCL, the process
+    runs only on its share of the CPUs near its GPU: two ranks' hosts then never compete for a core
+    or migrate across NUMA nodes, and a late host shows as its peers' barrier wait. Otherwise the
+    intra-op threads are split evenly between the ranks."""
+    cpus = None
+    if pin_cpus and backend == "nccl" and hasattr(os, "sched_setaffinity"):
+        cpus = rank_cpus(rank, world_size)
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus) if cpus else max(1, (os.cpu_count() or 1) // world_size))
+
+
 def finish_rank():
     """Release this rank's MegaMoE buffers and its process group (collective).
 
@@ -62,8 +110,8 @@ def exit_finished_rank():
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     init_rank(rank, world_size, port, backend)
+    place_rank(rank, world_size, backend)
     try:
         fn(rank, world_size, *args)
     finally:

@@ -102,12 +102,10 @@ def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: b
 def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
     """torch.multiprocessing.spawn target: one rank (imports megatron only after quiet())."""
     quiet()
-    import torch
+    from megamoe_train.launch import exit_finished_rank, init_rank, place_rank
 
-    from megamoe_train.launch import exit_finished_rank, init_rank
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_rank(rank, world, port, backend)
+    place_rank(rank, world, backend, recipe_dict["parallel"]["pin_cpus"])
     _rank_main(rank, world, recipe_dict, run_dir, resume)
     exit_finished_rank()  # outputs are written; no interpreter teardown (launch.exit_finished_rank)
 

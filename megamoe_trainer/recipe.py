@@ -51,6 +51,9 @@ class ParallelSection:
     world_size: int = 1  # processes; on cuda one per GPU
     expert_parallel: int = 1  # EP size: must divide world_size / tensor_parallel and moe.num_experts
     tensor_parallel: int = 1  # TP size for attention / dense layers (experts use expert TP 1)
+    # CUDA: each rank's process on its own share of the CPUs near its GPU (megamoe_train/launch.py),
+    # so ranks' hosts do not compete for cores or get moved across NUMA nodes
+    pin_cpus: bool = True
 
 
 @dataclass
@@ -124,6 +127,11 @@ class TrainSection:
     # fp32), whose operands are bf16 values, exact in TF32; fp32 accumulation either way
     tf32_matmul: bool = True
     overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
+    # Python's garbage collector (megamoe_trainer/host_gc.py): freeze the heap after the model is
+    # built, no automatic collections, collect every gc_every steps on every rank at once (0 = never
+    # during the run), so no rank's host pauses alone while its peers wait at the MoE barriers
+    manual_gc: bool = True
+    gc_every: int = 50
 
 
 @dataclass
@@ -325,7 +333,8 @@ def validate(recipe: Recipe) -> Recipe:
     for dotted, value in (("run.plot_every", r.plot_every), ("run.save_every", r.save_every),
                           ("train.warmup_steps", t.warmup_steps), ("train.min_lr", t.min_lr),
                           ("train.weight_decay", t.weight_decay), ("train.clip_grad", t.clip_grad),
-                          ("moe.aux_loss_coeff", moe.aux_loss_coeff), ("data.eod_token", d.eod_token)):
+                          ("moe.aux_loss_coeff", moe.aux_loss_coeff), ("data.eod_token", d.eod_token),
+                          ("train.gc_every", t.gc_every)):
         if value < 0:
             raise RecipeError(dotted, f"must be >= 0, got {value!r}")
     if not r.dir:

@@ -50,9 +50,10 @@ class ProgressReport:
         self.window: list[float] = []  # losses since the last progress line
 
     def step(self, step: int, lr: float, loss_sum: float, ok_count: float, grad_norm: float, step_time: float,
-             consumed: int, load=None, peer_wait=None):
+             consumed: int, load=None, peer_wait=None, gc_paused=None):
         """loss_sum / ok_count: summed over data-parallel ranks; load: [MoE layers, experts] rows or None;
-        peer_wait: [EP ranks] ns each rank's MegaMoE barriers waited for their peers this step, or None."""
+        peer_wait: [EP ranks] ns each rank's MegaMoE barriers waited for their peers this step, or None;
+        gc_paused: [EP ranks] ns each rank's host spent in Python garbage collection this step, or None."""
         recipe, dp = self.recipe, self.recipe.data_parallel_size
         tokens_per_s = recipe.tokens_per_step / step_time
         record = {
@@ -77,6 +78,8 @@ class ProgressReport:
             waits = record["peer_wait_ms"] = [v / 1e6 for v in peer_wait.tolist()]
             # the EP rank that waited most: the other ranks were behind it this step
             record["peer_wait_most_rank"] = max(range(len(waits)), key=waits.__getitem__)
+        if gc_paused is not None:
+            record["host_gc_ms"] = [v / 1e6 for v in gc_paused.tolist()]
         self.metrics.append(record)
         self.window.append(record["loss"])
         if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
@@ -85,6 +88,10 @@ class ProgressReport:
             if "peer_wait_ms" in record:
                 most = record["peer_wait_most_rank"]
                 wait = f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most}"
+            gc_ms = record.get("host_gc_ms") or [0.0]
+            if max(gc_ms) >= 0.05:  # a collection ran on some rank's host this step
+                slowest = max(range(len(gc_ms)), key=gc_ms.__getitem__)
+                wait += f" | host GC {gc_ms[slowest]:.1f} ms on EP rank {slowest}"
             avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
             self.window.clear()
             print(

@@ -92,15 +92,20 @@ def _all_gather_ep(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _gather_peer_wait(model, previous: torch.Tensor | None):
-    """(ns every expert-parallel rank's MegaMoE barriers waited for peers since `previous`, int64
-    [EP] on the device, or None without MegaMoE layers; the new snapshot). No host sync."""
+def _gather_host_waits(model, previous: torch.Tensor | None, gc_paused_ns: int, dev: torch.device):
+    """Per expert-parallel rank, this step's: ns its MegaMoE barriers waited for peers since
+    `previous` (int64 [EP] on the device, or None without MegaMoE layers) and ns its host spent in
+    garbage collection (int64 [EP]); and the new barrier snapshot. One all_gather, no host sync
+    (torch.full sends the host value with the kernel launch)."""
     from megatron_patch import get_peer_wait_ns
 
     now = get_peer_wait_ns(model)
+    gc_ns = torch.full((1,), gc_paused_ns, dtype=torch.int64, device=dev)
     if now is None:
-        return None, previous
-    return _all_gather_ep(now - previous if previous is not None else now), now
+        return None, _all_gather_ep(gc_ns), previous
+    waited = now - previous if previous is not None else now
+    both = _all_gather_ep(torch.cat([waited.reshape(1).to(torch.int64), gc_ns])[None], dim=0)  # [EP, 2]
+    return both[:, 0], both[:, 1], now
 
 
 class PendingStep:
@@ -110,7 +115,7 @@ class PendingStep:
     (CUDA events), which counts idle gaps too; on CPU, host wall time."""
 
     def __init__(self, step: int, lr: float, consumed: int, values: torch.Tensor, load: torch.Tensor | None,
-                 peer_wait: torch.Tensor | None, start_event, prev_end, host_start: float):
+                 peer_wait: torch.Tensor | None, gc_paused: torch.Tensor, start_event, prev_end, host_start: float):
         self.step, self.lr, self.consumed = step, lr, consumed
         self.start_event, self.prev_end = start_event, prev_end
         cuda = values.is_cuda
@@ -119,6 +124,7 @@ class PendingStep:
             return None if t is None else (t.to("cpu", non_blocking=True) if t.is_cuda else t)
 
         self.values, self.load, self.peer_wait = to_host(values), to_host(load), to_host(peer_wait)
+        self.gc_paused = to_host(gc_paused)
         self.end_event = None
         if cuda:
             self.end_event = torch.cuda.Event(enable_timing=True)
@@ -185,6 +191,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     from .data import build_corpus
     from .flops import mfu
     from .fused_optimizer import use_fused_adam
+    from .host_gc import HostGC
     from .model import build_model
     from .profiling import StepProfiler
     from .recipe import _build
@@ -234,6 +241,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
         return batch
 
+    host_gc = HostGC(recipe.train.manual_gc, recipe.train.gc_every)  # after the model and corpus exist
     pending: list[PendingStep] = []
     totals = {"tokens": 0, "seconds": 0.0}
     wait_snapshot = None  # MegaMoE barriers' wait counter at the end of the previous step
@@ -244,7 +252,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         totals["tokens"] += recipe.tokens_per_step
         totals["seconds"] += step_time
         if report is not None:
-            report.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load, p.peer_wait)
+            report.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load, p.peer_wait, p.gc_paused)
 
     run_start = time.perf_counter()
     last_ckpt_step = start_step
@@ -291,8 +299,10 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                               grad_norm.detach().float().reshape(())])
         dist.all_reduce(values[:2], group=dp_group)  # loss sum and success count over data-parallel ranks
         load = _gather_expert_load(model, dev, stock_load)
-        peer_wait, wait_snapshot = _gather_peer_wait(model, wait_snapshot)
-        pending.append(PendingStep(step, lr, consumed, values, load, peer_wait, start_event, prev_end, host_start))
+        host_gc.after_step(step)
+        peer_wait, gc_paused, wait_snapshot = _gather_host_waits(model, wait_snapshot, host_gc.take_paused_ns(), dev)
+        pending.append(PendingStep(step, lr, consumed, values, load, peer_wait, gc_paused, start_event, prev_end,
+                                   host_start))
         prev_end = pending[-1].end_event
         if profiler is not None:
             profiler.after_step(step)
@@ -307,6 +317,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             say(f"[megamoe-train] checkpoint step {step} saved")
     while pending:
         finish_oldest()
+    host_gc.close()
 
     if recipe.run.checkpoint and last > last_ckpt_step:
         path = ckpt.save_checkpoint(run_dir, last, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})

@@ -143,6 +143,8 @@ def test_train_checkpoint_resume(tmp_path):
     assert all(r["load_imbalance"] >= 1.0 for r in first)
     # every expert-parallel rank's barrier wait for its peers that step (the barriers' own counter)
     assert all(len(r["peer_wait_ms"]) == 2 and min(r["peer_wait_ms"]) >= 0 for r in first), first
+    # and every one's host time in Python garbage collection (train.manual_gc: the scheduled ones)
+    assert all(len(r["host_gc_ms"]) == 2 and min(r["host_gc_ms"]) >= 0 for r in first), first
     assert "peer wait" in out, out
     assert os.path.isfile(os.path.join(run, "progress.png"))
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_0000002", "step_0000004"]
