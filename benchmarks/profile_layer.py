@@ -6,7 +6,8 @@ Prints the median forward and forward+backward times, then rank 0's CUDA kernels
 profiled iteration, by total time: where to look next. `--timeline` also prints that iteration's
 kernels in launch order with their start, duration and the idle gap before each; the host is put
 ahead of the GPU first (a sleep kernel), so a gap there is the GPU waiting on a dependency or
-a peer, not on the host.
+a peer, not on the host. `--host` instead measures the host's time per call with the GPU kept
+ahead (what launching one call costs) and prints rank 0's Python functions by own time.
 """
 
 from __future__ import annotations
@@ -97,7 +98,44 @@ def _timeline(prof) -> str:
     return "\n".join(lines)
 
 
-def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False, timeline=False):
+def _host_profile(fwd, fwd_bwd, iters: int, rank: int):
+    """Host time per call with the GPU kept busy ahead of the host (a sleep kernel first), so the
+    host never waits for the GPU: what the Python and launch path of one call costs. Then rank 0's
+    functions by own time under cProfile (which slows Python calls; read it for the ranking)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    def host_ms(fn) -> float:
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~200 ms of GPU time queued first
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        ms = (time.perf_counter() - t0) * 1e3 / iters
+        torch.cuda.synchronize()
+        return ms
+
+    f, fb = host_ms(fwd), host_ms(fwd_bwd)
+    prof = cProfile.Profile()
+    dist.barrier()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    prof.enable()
+    for _ in range(iters):
+        fwd_bwd()
+    prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(f"host per call (GPU ahead, {iters} calls): forward {f:.3f} ms, forward+backward {fb:.3f} ms", flush=True)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        print(out.getvalue(), flush=True)
+
+
+def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False, timeline=False, host=False):
     E, K, H, I, T = SHAPES[shape]
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(None, cfg)
@@ -124,6 +162,9 @@ def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False, timelin
     if rank == 0:
         how = "forward+backward replayed from CUDA graphs" if cuda_graph else "forward+backward"
         print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, {how} {t_all:.3f} ms", flush=True)
+    if host:
+        _host_profile(fwd, fwd_bwd, min(iters, 8), rank)  # 8 calls fit in the launch queue at P
+        return
     dist.barrier()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -148,8 +189,10 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--cuda-graph", action="store_true", help="forward+backward through megamoe_train.graphs.GraphedMegaMoE")
     p.add_argument("--timeline", action="store_true", help="also print the profiled iteration's kernels in order, host queued ahead")
+    p.add_argument("--host", action="store_true",
+                   help="instead of the kernel profile: host time per call with the GPU ahead, and a cProfile of the host")
     a = p.parse_args()
-    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters, a.cuda_graph, a.timeline), backend="nccl")
+    spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters, a.cuda_graph, a.timeline, a.host), backend="nccl")
 
 
 if __name__ == "__main__":
