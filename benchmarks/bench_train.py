@@ -48,11 +48,11 @@ VARIANTS = {
     "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
     "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
     "stock": (None, []),
-    # host-side A/Bs: the interpreter's automatic garbage collector, unpinned rank processes, both
-    # (the trainer before train.manual_gc and parallel.pin_cpus), and the router's top-k kernel
-    "bf16-auto-gc": ("bf16", ["train.manual_gc=false"]),
-    "bf16-unpinned": ("bf16", ["parallel.pin_cpus=false"]),
-    "bf16-auto-gc-unpinned": ("bf16", ["train.manual_gc=false", "parallel.pin_cpus=false"]),
+    # host-side A/Bs against "bf16": Python's GC run by hand, rank processes pinned to their GPU's
+    # CPUs, both, and the router's top-k kernel
+    "bf16-manual-gc": ("bf16", ["train.manual_gc=true"]),
+    "bf16-pinned": ("bf16", ["parallel.pin_cpus=true"]),
+    "bf16-manual-gc-pinned": ("bf16", ["train.manual_gc=true", "parallel.pin_cpus=true"]),
     "bf16-router-kernel": ("bf16", ["moe.fused_router_topk=true"]),
 }
 

@@ -65,7 +65,7 @@ def rank_cpus(rank: int, world_size: int) -> list[int]:
     return mine[start:start + per] or mine
 
 
-def place_rank(rank: int, world_size: int, backend: str, pin_cpus: bool = True):
+def place_rank(rank: int, world_size: int, backend: str, pin_cpus: bool = False):
     """Threads (and on GPUs, cores) for this rank's process. With pin_cpus on NCCL, the process
     runs only on its share of the CPUs near its GPU: two ranks' hosts then never compete for a core
     or migrate across NUMA nodes, and a late host shows as its peers' barrier wait. Otherwise the
