@@ -115,6 +115,9 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
         "host_gc_ms_per_step": _mean([max(r["host_gc_ms"]) if r.get("host_gc_ms") else None for r in timed]),
         # experts' load max/mean (median over the timed steps): what the peers wait for
         "expert_load_imbalance": _median([r.get("load_imbalance") for r in timed]),
+        # the EP ranks' routed rows, busiest over mean per layer (summed over layers): the share of a
+        # step the others wait at the barriers when the GPUs pace it
+        "ep_rank_load_imbalance": _median([r.get("ep_rank_imbalance") for r in timed]),
         "profile_rank0": prof,
         "peak_memory_gib": result["summary"].get("peak_memory_gib"),
         "losses": [r["loss"] for r in recs],
@@ -155,11 +158,12 @@ def _fmt(x, spec, scale=1.0, none="n/a"):
 def markdown(rows: list[dict], recipe: str, steps: int) -> str:
     lines = [f"`{os.path.basename(recipe)}`, {steps} steps per variant", "",
              "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | host GC ms/step | "
-             "expert load max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | its rel diff vs stock |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | "
+             "its rel diff vs stock |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | | | | |")
+            lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | | | | | |")
             continue
         tail = r["losses"][-20:]
         mem = r["peak_memory_gib"]
@@ -167,7 +171,7 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             f"| {r['variant']} | {r['tokens_per_s']:.0f} | {_fmt(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} | "
             f"{_fmt(r['gpu_busy_fraction'], '.0%')} | {_fmt(r['moe_share_of_kernel_time'], '.0%')} | "
             f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | {_fmt(r.get('host_gc_ms_per_step'), '.1f')} | "
-            f"{_fmt(r['expert_load_imbalance'], '.2f')} | "
+            f"{_fmt(r['expert_load_imbalance'], '.2f')} | {_fmt(r.get('ep_rank_load_imbalance'), '.3f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
             f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")
     waiting = [f"{r['variant']}: " + ", ".join(f"rank {k} in {v}" for k, v in r["most_waiting_rank_steps"].items())

@@ -74,6 +74,11 @@ class ProgressReport:
             record["load_imbalance"] = per_expert.max().item() / mean if mean > 0 else None
             record["load_imbalance_worst_layer"] = layer_imb.max().item()
             record["expert_load"] = load.tolist()
+            ep = recipe.parallel.expert_parallel
+            if ep > 1:  # EP rank r holds experts [r E/EP, (r+1) E/EP); every layer's barriers wait for its busiest rank
+                per_rank = load.double().reshape(load.shape[0], ep, -1).sum(-1)  # [layers, EP]
+                record["ep_rank_load"] = per_rank.sum(0).tolist()
+                record["ep_rank_imbalance"] = (per_rank.max(1).values.sum() / per_rank.mean(1).sum().clamp(min=1e-9)).item()
         if peer_wait is not None:
             waits = record["peer_wait_ms"] = [v / 1e6 for v in peer_wait.tolist()]
             # the EP rank that waited most: the other ranks were behind it this step
@@ -85,9 +90,12 @@ class ProgressReport:
         if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
             imb, gn = record.get("load_imbalance"), record["grad_norm"]
             wait = ""
+            if "ep_rank_imbalance" in record:
+                busiest = max(range(len(record["ep_rank_load"])), key=record["ep_rank_load"].__getitem__)
+                wait = f" | EP rank rows max/mean {record['ep_rank_imbalance']:.3f} (rank {busiest} most)"
             if "peer_wait_ms" in record:
                 most = record["peer_wait_most_rank"]
-                wait = f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most}"
+                wait += f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most}"
             gc_ms = record.get("host_gc_ms") or [0.0]
             if max(gc_ms) >= 0.05:  # a collection ran on some rank's host this step
                 slowest = max(range(len(gc_ms)), key=gc_ms.__getitem__)

@@ -141,6 +141,9 @@ def test_train_checkpoint_resume(tmp_path):
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert all(r["expert_load"] and len(r["expert_load"][0]) == 8 for r in first)  # [layers, experts], gathered over EP
     assert all(r["load_imbalance"] >= 1.0 for r in first)
+    # the EP ranks' rows: every routed row lands on one rank's experts
+    assert all(len(r["ep_rank_load"]) == 2 and r["ep_rank_imbalance"] >= 1.0 for r in first)
+    assert all(sum(r["ep_rank_load"]) == sum(map(sum, r["expert_load"])) for r in first)
     # every expert-parallel rank's barrier wait for its peers that step (the barriers' own counter)
     assert all(len(r["peer_wait_ms"]) == 2 and min(r["peer_wait_ms"]) >= 0 for r in first), first
     # and every one's host time in Python garbage collection (train.manual_gc: the scheduled ones)
