@@ -174,6 +174,14 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | {_fmt(r.get('ep_rank_load_imbalance'), '.3f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
             f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")
+    for r in rows:  # where the profiled steps' kernel time went, inside and outside the MoE layers
+        prof = r.get("profile_rank0") or {}
+        first_last = prof.get("steps") or [0, 0]  # the profiled steps' first and last
+        steps = first_last[1] - first_last[0] + 1
+        for key, what in (("top_moe_kernels", "inside"), ("top_other_kernels", "outside")):
+            if prof.get(key):
+                lines += ["", f"{r['variant']}: largest kernels {what} the MoE layers, rank 0, ms per profiled step:"]
+                lines += [f"- {k['s'] * 1e3 / steps:.1f} {k['name']}" for k in prof[key][:10]]
     waiting = [f"{r['variant']}: " + ", ".join(f"rank {k} in {v}" for k, v in r["most_waiting_rank_steps"].items())
                for r in rows if r.get("most_waiting_rank_steps")]
     if waiting:

@@ -13,7 +13,9 @@ The summary (also in RUN/summary.json, and RUN/profile/trace_rankR.json for a tr
   counted in busy_s and kernel_s, but no work. Under the profiler each rank's host runs slower,
   and unevenly, so a host-late peer inflates this well past the unprofiled wait (metrics.jsonl's
   peer_wait_ms, from the barriers' own counter, is the number to trust);
-- top_kernels: the 15 largest kernel names by total time.
+- top_kernels: the 15 largest kernel names by total time; top_moe_kernels and top_other_kernels
+  the same inside and outside the MoE ranges (templated CUTLASS names keep their start and end,
+  where the element types and the schedule are spelled).
 Profiler overhead lengthens the profiled steps somewhat; tokens/s comes from the unprofiled steps.
 """
 
@@ -109,6 +111,14 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _short(name: str) -> str:
+    return name if len(name) <= 200 else f"{name[:90]} ... {name[-100:]}"
+
+
+def _top(by_name: dict, n: int = 15) -> list[dict]:
+    return [{"name": _short(k), "s": us / 1e6} for k, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def summarize_trace(trace: dict, wall_s: float) -> dict:
     """The summary above from a chrome trace (torch.profiler export) of the profiled steps."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
@@ -135,7 +145,7 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
         return i >= 0 and ranges[tid][i][0] <= ts <= ranges[tid][i][1]
 
     kernel_us = memcpy_us = moe_us = wait_us = 0.0
-    by_name = defaultdict(float)
+    by_name, moe_by_name, other_by_name = defaultdict(float), defaultdict(float), defaultdict(float)
     for e in gpu:
         if e["cat"] == "kernel":
             kernel_us += e["dur"]
@@ -144,11 +154,13 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
                 wait_us += e["dur"]
             if in_moe(e):
                 moe_us += e["dur"]
+                moe_by_name[e["name"]] += e["dur"]
+            else:
+                other_by_name[e["name"]] += e["dur"]
         else:
             memcpy_us += e["dur"]
     busy_us = _union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     moe_ranges = sum(len(rs) for rs in ranges.values())
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {
         "wall_s": wall_s,
         "busy_s": busy_us / 1e6,
@@ -160,7 +172,9 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
         "peer_wait_s": wait_us / 1e6,
         "kernels": sum(1 for e in gpu if e["cat"] == "kernel"),
         "moe_ranges": moe_ranges,
-        "top_kernels": [{"name": n[:120], "s": us / 1e6} for n, us in top],
+        "top_kernels": _top(by_name),
+        "top_moe_kernels": _top(moe_by_name),
+        "top_other_kernels": _top(other_by_name),
     }
 
 

@@ -64,3 +64,5 @@ def test_trace_summary_counts_peer_wait():
     assert s["kernel_s"] == pytest.approx(1.1e-3) and s["busy_s"] == pytest.approx(1.1e-3)
     assert s["peer_wait_s"] == pytest.approx(0.6e-3)
     assert s["moe_kernel_s"] == pytest.approx(0.9e-3)  # the gemm and the barrier were launched in the range
+    assert [k["name"] for k in s["top_moe_kernels"]] == [PEER_WAIT_KERNEL, "gemm"]
+    assert [k["name"] for k in s["top_other_kernels"]] == ["adam"]
