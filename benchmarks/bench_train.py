@@ -110,6 +110,8 @@ def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | Non
         # per EP rank, the timed steps in which it waited most (the others were behind it): a rank
         # that waits in nearly every step has a slower peer, host or GPU
         "most_waiting_rank_steps": _most_waiting(timed),
+        # per barrier site, each EP rank's mean wait over the timed steps: where the peers were late
+        "peer_wait_ms_by_site": _mean_by_site(timed),
         # the slowest rank's host in Python garbage collection, mean over the timed steps (pauses
         # are rare and long, so a median would hide them)
         "host_gc_ms_per_step": _mean([max(r["host_gc_ms"]) if r.get("host_gc_ms") else None for r in timed]),
@@ -139,6 +141,13 @@ def _most_waiting(records) -> dict[int, int] | None:
         if "peer_wait_most_rank" in r:  # the trainer's report names it per step
             counts[r["peer_wait_most_rank"]] = counts.get(r["peer_wait_most_rank"], 0) + 1
     return dict(sorted(counts.items())) or None
+
+
+def _mean_by_site(records) -> dict[str, list[float]] | None:
+    rows = [r["peer_wait_ms_by_site"] for r in records if r.get("peer_wait_ms_by_site")]
+    if not rows:
+        return None
+    return {site: [sum(r[site][k] for r in rows) / len(rows) for k in range(len(rows[0][site]))] for site in rows[0]}
 
 
 def _mean(values):
@@ -182,6 +191,11 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             if prof.get(key):
                 lines += ["", f"{r['variant']}: largest kernels {what} the MoE layers, rank 0, ms per profiled step:"]
                 lines += [f"- {k['s'] * 1e3 / steps:.1f} {k['name']}" for k in prof[key][:10]]
+    for r in rows:
+        sites = r.get("peer_wait_ms_by_site")
+        if sites:
+            lines += ["", f"{r['variant']}: peer wait by barrier, ms per timed step (EP rank 0, 1, ...): " +
+                      "; ".join(f"{site} " + " / ".join(f"{v:.1f}" for v in per_rank) for site, per_rank in sites.items())]
     waiting = [f"{r['variant']}: " + ", ".join(f"rank {k} in {v}" for k, v in r["most_waiting_rank_steps"].items())
                for r in rows if r.get("most_waiting_rank_steps")]
     if waiting:

@@ -48,6 +48,14 @@ from .symm_buffer import SymmBuffer
 from .weights import ExpertWeights
 
 BARRIER_EXCHANGED, BARRIER_PUSHED = 1, 2  # the two barrier steps of a call (tag = epoch * 4 + step)
+# SymmBuffer.peer_wait_ns_by_site's counters: a barrier waits for peers that are late arriving
+# there, i.e. still in the work before it (before the first barrier: the model's work between
+# MoE calls and the publish; before the push barrier: the pull, the expert GEMMs and the push).
+WAIT_SITES = ("forward exchange", "forward push", "backward exchange", "backward push")
+
+
+def _wait_site(backward: bool, step: int) -> int:
+    return 2 * backward + (step == BARRIER_PUSHED)
 
 
 @dataclass
@@ -132,7 +140,8 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forw
     # input): its replays run no host code, so no later call could raise what they route.
     captured = buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     status, all_ok = buf.exchange_status(call * 4 + BARRIER_EXCHANGED, call % 2, verdict,
-                                         (call, layer_id, _phase(call, forward_call)), compare_on_device=captured)
+                                         (call, layer_id, _phase(call, forward_call)), compare_on_device=captured,
+                                         wait_site=_wait_site(forward_call is not None, BARRIER_EXCHANGED))
     return status, call, all_ok
 
 
@@ -209,7 +218,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
             raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
         _raise_on_bad_status(host_status, me, call, deferred=False)
     elif problem is not None:  # peers route nothing this call; finish its barriers, then raise
-        buf.barrier(call * 4 + BARRIER_PUSHED)
+        buf.barrier(call * 4 + BARRIER_PUSHED, wait_site=_wait_site(False, BARRIER_PUSHED))
         buf.session.defer(status, call)  # like its peers, this rank reports it again at the next call
         raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
 
@@ -236,7 +245,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     # 7. Barrier (shared experts joined first), then the fixed-order reduction.
     if shared is not None:
         _join_shared(buf)
-    buf.barrier(call * 4 + BARRIER_PUSHED)
+    buf.barrier(call * 4 + BARRIER_PUSHED, wait_site=_wait_site(False, BARRIER_PUSHED))
     own_mask, partial_mask = executor.routing_masks(buf.regions().topk_idx[:T], all_ok, R, E_l)
     y = executor.reduce_partials(buf, partial_mask, T, shared is not None)
     if not sync:
@@ -282,7 +291,7 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
     executor.push_partials(buf, saved.plan, dx_rows, row_weight_grads)
     if shared is not None:
         _join_shared(buf)
-    buf.barrier(call * 4 + BARRIER_PUSHED)
+    buf.barrier(call * 4 + BARRIER_PUSHED, wait_site=_wait_site(True, BARRIER_PUSHED))
 
     # 5. Reduce; masked slots get no weight gradient. Without sync checks a mismatched call reads
     # no partials (and is raised at a later call); its expert weight gradients are not masked.

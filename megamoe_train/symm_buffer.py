@@ -105,6 +105,11 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
     return bytes(token.tolist()).hex()
 
 
+# Barrier wait counters, one per protocol site (the protocol names them, protocol.WAIT_SITES):
+# where a rank stood still tells which part of the step its peers were late in.
+WAIT_SITES = 4
+
+
 class _SharedMemoryPeers:
     """CPU transport: every rank's buffer is a /dev/shm file mapped into every process. Barriers
     poll counters in the files' headers with a deadline, so the timeout holds on every rank and
@@ -114,7 +119,7 @@ class _SharedMemoryPeers:
         self.timeout_s = timeout_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.arrived = 0
-        self.wait_ns = torch.zeros(1, dtype=torch.int64)  # host time barriers waited for peers
+        self.wait_ns = torch.zeros(WAIT_SITES, dtype=torch.int64)  # host time barriers waited for peers, per site
         self.maps, self.headers, self.peers = [], [], []
         token = _agree_token(group, self.rank, timeout_s)
         paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
@@ -189,7 +194,7 @@ class _SharedMemoryPeers:
                 + "; ".join(f"rank {r}: {texts[r]}" for r in [0, *differ])
             )
 
-    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None):
+    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None, wait_site: int = 0):
         """Host barrier over the files' headers, with the status exchange's steps around it when
         given (the device barrier's, in torch ops: the word into every rank's slot before
         arriving, this rank's slot and the all-ok verdict after)."""
@@ -197,11 +202,11 @@ class _SharedMemoryPeers:
             word = exchange.word()
             for peer in self.peers:
                 exchange.slot(peer)[self.rank].copy_(word)
-        self._wait_for_peers(tag)
+        self._wait_for_peers(tag, wait_site)
         if exchange is not None:
             exchange.finish(exchange.slot(self.peers[self.rank]), self.rank)
 
-    def _wait_for_peers(self, tag: int):
+    def _wait_for_peers(self, tag: int, wait_site: int = 0):
         me = self.headers[self.rank]
         self.arrived += 1
         n = self.arrived
@@ -237,7 +242,7 @@ class _SharedMemoryPeers:
                     )
                 polls += 1
                 time.sleep(0 if polls < 200 else 1e-4)
-        self.wait_ns += time.monotonic_ns() - start
+        self.wait_ns[wait_site] += time.monotonic_ns() - start
 
     def has_fault(self) -> bool:
         return False  # CPU barriers raise where they fail; nothing is recorded for later
@@ -328,7 +333,7 @@ class _CudaSymmetricPeers:
         self.local = self.handle = self.base_ptrs = None
         self.peers, self.areas = [], []
         self.fault_record = None
-        self.wait_ns = torch.zeros(1, dtype=torch.int64, device=device)  # device time barriers waited for peers
+        self.wait_ns = torch.zeros(WAIT_SITES, dtype=torch.int64, device=device)  # device time barriers waited, per site
         _agree_description(group, self.rank, description, timeout_s)
         self.area_offset = -(-nbytes // 256) * 256
         total = self.area_offset + area_bytes(self.world)
@@ -366,7 +371,7 @@ class _CudaSymmetricPeers:
                 raise fault from err
             raise
 
-    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None):
+    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None, wait_site: int = 0):
         """Device barrier (one Triton program on the current stream; the host never waits), with
         the status exchange in the same launch when given (device_barrier.py)."""
         from .device_barrier import device_barrier
@@ -376,7 +381,7 @@ class _CudaSymmetricPeers:
             exchange_args = (self.local.data_ptr() + exchange.slot_offset, exchange.verdict, exchange.name,
                              exchange.status_out, exchange.all_ok, exchange.compare_on_device)
         device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
-                       self.fault_record, self.wait_ns, exchange_args)
+                       self.fault_record, self.wait_ns[wait_site:wait_site + 1], exchange_args)
 
     def fault_error(self) -> Exception | None:
         """The error of a fault this rank's device barrier recorded before it trapped, if any."""
@@ -515,21 +520,24 @@ class SymmBuffer:
             self.check_usable()
         return self._regions[self.rank if rank is None else rank]
 
-    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None):
+    def barrier(self, tag: int = 0, exchange: StatusExchange | None = None, wait_site: int = 0):
         """Cross-rank barrier: all writes any rank made before it are visible after it. `tag`
         names the protocol step (call * 4 + step). A peer at another tag, a failed peer or one
         missing past the timeout: on CPU MegaMoEPeerError here, and the buffer is unusable; on
         CUDA the device barrier records the fault and traps (`device_fault()` explains it).
-        exchange: the status exchange this barrier carries (exchange_status)."""
+        exchange: the status exchange this barrier carries (exchange_status). wait_site: the
+        counter of peer_wait_ns_by_site this barrier's wait goes to (0 .. WAIT_SITES - 1)."""
         self.check_usable()
+        if not 0 <= wait_site < WAIT_SITES:
+            raise ValueError(f"SymmBuffer.barrier: wait_site must be in [0, {WAIT_SITES}), got {wait_site}")
         try:
-            self._transport.barrier(tag, exchange)
+            self._transport.barrier(tag, exchange, wait_site)
         except MegaMoEPeerError as err:
             self.fail(str(err), tag)
             raise
 
     def exchange_status(self, tag: int, parity: int, verdict: torch.Tensor, name: tuple[int, int, int],
-                        compare_on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        compare_on_device: bool = False, wait_site: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Barrier `tag` with the status exchange of a call (StatusExchange) in status slot
         `parity`: this rank's verdict (int32 scalar on the device) and call name (epoch, layer
         id, phase) to every rank. Returns (this rank's slot after the barrier, int32 [R, 4]; a
@@ -541,7 +549,7 @@ class SymmBuffer:
             slot_offset=region.offset + parity * R * region.row_bytes, verdict=verdict, name=name,
             status_out=torch.empty(R, 4, dtype=torch.int32, device=self.device),
             all_ok=torch.empty((), dtype=torch.bool, device=self.device), compare_on_device=compare_on_device)
-        self.barrier(tag, exchange)
+        self.barrier(tag, exchange, wait_site)
         return exchange.status_out, exchange.all_ok
 
     @property
@@ -550,6 +558,12 @@ class SymmBuffer:
         peers since the buffer was made (device time, %globaltimer, on CUDA; host time on CPU).
         Grows when a peer arrives late: it has more rows to compute, or its host runs behind.
         A counter like `expert_recv_stats`: copy it (no host sync) and take differences."""
+        return self._transport.wait_ns.sum(0, keepdim=True)
+
+    @property
+    def peer_wait_ns_by_site(self) -> torch.Tensor:
+        """int64 [WAIT_SITES]: peer_wait_ns split by the barrier site that waited (the protocol's
+        WAIT_SITES names them: forward / backward, first / push barrier). The live counters."""
         return self._transport.wait_ns
 
     @property

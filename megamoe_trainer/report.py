@@ -7,6 +7,8 @@ import json
 import math
 import os
 
+from megamoe_train.protocol import WAIT_SITES
+
 
 class MetricsLog:
     """metrics.jsonl in the run dir, one JSON object per logged step. On resume the records past
@@ -52,7 +54,8 @@ class ProgressReport:
     def step(self, step: int, lr: float, loss_sum: float, ok_count: float, grad_norm: float, step_time: float,
              consumed: int, load=None, peer_wait=None, gc_paused=None):
         """loss_sum / ok_count: summed over data-parallel ranks; load: [MoE layers, experts] rows or None;
-        peer_wait: [EP ranks] ns each rank's MegaMoE barriers waited for their peers this step, or None;
+        peer_wait: [EP ranks, barrier sites] ns each rank's MegaMoE barriers waited for their peers this
+        step (sites: megamoe_train.protocol.WAIT_SITES), or None;
         gc_paused: [EP ranks] ns each rank's host spent in Python garbage collection this step, or None."""
         recipe, dp = self.recipe, self.recipe.data_parallel_size
         tokens_per_s = recipe.tokens_per_step / step_time
@@ -80,7 +83,10 @@ class ProgressReport:
                 record["ep_rank_load"] = per_rank.sum(0).tolist()
                 record["ep_rank_imbalance"] = (per_rank.max(1).values.sum() / per_rank.mean(1).sum().clamp(min=1e-9)).item()
         if peer_wait is not None:
-            waits = record["peer_wait_ms"] = [v / 1e6 for v in peer_wait.tolist()]
+            by_site = peer_wait.double() / 1e6  # [EP, sites]
+            waits = record["peer_wait_ms"] = by_site.sum(1).tolist()
+            # where each rank waited: the peers were late arriving at that barrier
+            record["peer_wait_ms_by_site"] = {site: by_site[:, i].tolist() for i, site in enumerate(WAIT_SITES)}
             # the EP rank that waited most: the other ranks were behind it this step
             record["peer_wait_most_rank"] = max(range(len(waits)), key=waits.__getitem__)
         if gc_paused is not None:
@@ -95,7 +101,9 @@ class ProgressReport:
                 wait = f" | EP rank rows max/mean {record['ep_rank_imbalance']:.3f} (rank {busiest} most)"
             if "peer_wait_ms" in record:
                 most = record["peer_wait_most_rank"]
-                wait += f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most}"
+                sites = record["peer_wait_ms_by_site"]
+                where = max(sites, key=lambda site: sites[site][most])
+                wait += f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most} (most at {where})"
             gc_ms = record.get("host_gc_ms") or [0.0]
             if max(gc_ms) >= 0.05:  # a collection ran on some rank's host this step
                 slowest = max(range(len(gc_ms)), key=gc_ms.__getitem__)

@@ -94,18 +94,19 @@ def _all_gather_ep(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 def _gather_host_waits(model, previous: torch.Tensor | None, gc_paused_ns: int, dev: torch.device):
     """Per expert-parallel rank, this step's: ns its MegaMoE barriers waited for peers since
-    `previous` (int64 [EP] on the device, or None without MegaMoE layers) and ns its host spent in
-    garbage collection (int64 [EP]); and the new barrier snapshot. One all_gather, no host sync
-    (torch.full sends the host value with the kernel launch)."""
+    `previous`, per barrier site (int64 [EP, len(protocol.WAIT_SITES)] on the device, or None
+    without MegaMoE layers) and ns its host spent in garbage collection (int64 [EP]); and the new
+    barrier snapshot. One all_gather, no host sync (torch.full sends the host value with the
+    kernel launch)."""
     from megatron_patch import get_peer_wait_ns
 
-    now = get_peer_wait_ns(model)
+    now = get_peer_wait_ns(model, by_site=True)
     gc_ns = torch.full((1,), gc_paused_ns, dtype=torch.int64, device=dev)
     if now is None:
         return None, _all_gather_ep(gc_ns), previous
     waited = now - previous if previous is not None else now
-    both = _all_gather_ep(torch.cat([waited.reshape(1).to(torch.int64), gc_ns])[None], dim=0)  # [EP, 2]
-    return both[:, 0], both[:, 1], now
+    both = _all_gather_ep(torch.cat([waited.to(torch.int64), gc_ns])[None], dim=0)  # [EP, sites + 1]
+    return both[:, :-1], both[:, -1], now
 
 
 class PendingStep:

@@ -228,15 +228,16 @@ def get_expert_load(model, reset: bool = True) -> torch.Tensor:
     return load
 
 
-def get_peer_wait_ns(model) -> torch.Tensor | None:
+def get_peer_wait_ns(model, by_site: bool = False) -> torch.Tensor | None:
     """Nanoseconds this rank's MegaMoE barriers have waited for their expert-parallel peers so
     far: the sum of SymmBuffer.peer_wait_ns over the buffers the model's MegaMoE layers used (one
     per shape; int64 [1] on their device, a copy: no host sync). Differences between two reads
     give the wait of the steps between them: time this GPU stood idle because a peer was late
     (more rows to compute, or its host behind), which a profile of one rank cannot tell apart
-    from work. None before the first MegaMoE call."""
+    from work. None before the first MegaMoE call. by_site: int64 [len(protocol.WAIT_SITES)], the
+    wait split by the barrier that waited (forward / backward, first / push barrier)."""
     buffers = {id(b): b for m in _modules(model) if isinstance(m, MegaMoEMoELayer)
                for b in [m.megamoe.buffer] if b is not None and b.alive}
     if not buffers:
         return None
-    return sum(b.peer_wait_ns for b in buffers.values()).clone()
+    return sum(b.peer_wait_ns_by_site if by_site else b.peer_wait_ns for b in buffers.values()).clone()

@@ -47,16 +47,22 @@ def late_peer_is_charged_to_the_waiting_rank(rank, world):
     before = int(buf.peer_wait_ns)
     if rank == 1:
         time.sleep(0.3)  # rank 1 arrives late: rank 0 waits for it, rank 1 finds rank 0 there
-    buf.barrier()
+    sites_before = buf.peer_wait_ns_by_site.clone()
+    buf.barrier(wait_site=2)
     waited = int(buf.peer_wait_ns) - before
+    by_site = (buf.peer_wait_ns_by_site - sites_before).tolist()
+    with pytest.raises(ValueError, match="wait_site"):
+        buf.barrier(wait_site=4)
     buf.destroy()
-    return waited
+    return waited, by_site
 
 
 def test_peer_wait_counter(rank_pools):
-    waited = rank_pools(2).run(late_peer_is_charged_to_the_waiting_rank)
-    assert waited[0] >= 0.25e9, waited
-    assert waited[1] < 0.1e9, waited
+    (w0, sites0), (w1, sites1) = rank_pools(2).run(late_peer_is_charged_to_the_waiting_rank)
+    assert w0 >= 0.25e9, w0
+    assert w1 < 0.1e9, w1
+    # the wait is charged to the site the barrier named, and the total is the sites' sum
+    assert sites0[2] == w0 and sites0[0] == sites0[1] == sites0[3] == 0, sites0
 
 
 def barrier_times_out_when_a_peer_is_missing(rank, world):

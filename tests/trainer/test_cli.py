@@ -149,6 +149,11 @@ def test_train_checkpoint_resume(tmp_path):
     # and every one's host time in Python garbage collection (train.manual_gc: the scheduled ones)
     assert all(len(r["host_gc_ms"]) == 2 and min(r["host_gc_ms"]) >= 0 for r in first), first
     assert "peer wait" in out, out
+    # split by the barrier that waited (forward / backward, first / push barrier)
+    assert all(sorted(r["peer_wait_ms_by_site"]) == sorted(["forward exchange", "forward push", "backward exchange", "backward push"])
+               and all(len(v) == 2 for v in r["peer_wait_ms_by_site"].values()) for r in first)
+    assert all(abs(sum(v[k] for v in r["peer_wait_ms_by_site"].values()) - r["peer_wait_ms"][k]) < 1e-6
+               for r in first for k in range(2))
     assert os.path.isfile(os.path.join(run, "progress.png"))
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_0000002", "step_0000004"]
 
