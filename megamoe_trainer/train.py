@@ -324,7 +324,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         path = ckpt.save_checkpoint(run_dir, last, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
         say(f"[megamoe-train] checkpoint saved: {path}")
     summary = _summary(device, totals, profiler, run_dir)
-    if report is not None and report.metrics.records:
+    if report is not None and report.metrics.records and last > start_step:  # nothing ran: no summary of old steps
         report.plot()
         records = report.metrics.records
         wall = time.perf_counter() - run_start

@@ -176,6 +176,9 @@ def test_train_checkpoint_resume(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
         assert a["expert_load"] == b["expert_load"]
         assert a["lr"] == b["lr"]
+    # a finished run asked for the same steps: nothing runs, and no summary of the old steps
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", ref, "--steps", "6"])
+    assert code == 0 and "nothing to do: the checkpoint is at step 6" in out and "done:" not in out, out + err
 
     # the MegaMoE run's checkpoint (model + optimizer) continues with Megatron's stock MoE layers
     # (same parameters and checkpoint keys), and a finished run given more steps continues
