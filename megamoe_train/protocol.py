@@ -44,7 +44,7 @@ from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .expert_math import shared_backward, shared_forward
 from .faults import STATUS_BAD, STATUS_OK, describe_word
 from .plan import Plan
-from .symm_buffer import SymmBuffer
+from .symm_buffer import NUM_WAIT_SITES, SymmBuffer
 from .weights import ExpertWeights
 
 BARRIER_EXCHANGED, BARRIER_PUSHED = 1, 2  # the two barrier steps of a call (tag = epoch * 4 + step)
@@ -52,6 +52,7 @@ BARRIER_EXCHANGED, BARRIER_PUSHED = 1, 2  # the two barrier steps of a call (tag
 # there, i.e. still in the work before it (before the first barrier: the model's work between
 # MoE calls and the publish; before the push barrier: the pull, the expert GEMMs and the push).
 WAIT_SITES = ("forward exchange", "forward push", "backward exchange", "backward push")
+assert len(WAIT_SITES) == NUM_WAIT_SITES, "one SymmBuffer wait counter per site"
 
 
 def _wait_site(backward: bool, step: int) -> int:

@@ -107,7 +107,7 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
 
 # Barrier wait counters, one per protocol site (the protocol names them, protocol.WAIT_SITES):
 # where a rank stood still tells which part of the step its peers were late in.
-WAIT_SITES = 4
+NUM_WAIT_SITES = 4
 
 
 class _SharedMemoryPeers:
@@ -119,7 +119,7 @@ class _SharedMemoryPeers:
         self.timeout_s = timeout_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.arrived = 0
-        self.wait_ns = torch.zeros(WAIT_SITES, dtype=torch.int64)  # host time barriers waited for peers, per site
+        self.wait_ns = torch.zeros(NUM_WAIT_SITES, dtype=torch.int64)  # host time barriers waited for peers, per site
         self.maps, self.headers, self.peers = [], [], []
         token = _agree_token(group, self.rank, timeout_s)
         paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
@@ -333,7 +333,7 @@ class _CudaSymmetricPeers:
         self.local = self.handle = self.base_ptrs = None
         self.peers, self.areas = [], []
         self.fault_record = None
-        self.wait_ns = torch.zeros(WAIT_SITES, dtype=torch.int64, device=device)  # device time barriers waited, per site
+        self.wait_ns = torch.zeros(NUM_WAIT_SITES, dtype=torch.int64, device=device)  # device time barriers waited, per site
         _agree_description(group, self.rank, description, timeout_s)
         self.area_offset = -(-nbytes // 256) * 256
         total = self.area_offset + area_bytes(self.world)
@@ -526,10 +526,10 @@ class SymmBuffer:
         missing past the timeout: on CPU MegaMoEPeerError here, and the buffer is unusable; on
         CUDA the device barrier records the fault and traps (`device_fault()` explains it).
         exchange: the status exchange this barrier carries (exchange_status). wait_site: the
-        counter of peer_wait_ns_by_site this barrier's wait goes to (0 .. WAIT_SITES - 1)."""
+        counter of peer_wait_ns_by_site this barrier's wait goes to (0 .. NUM_WAIT_SITES - 1)."""
         self.check_usable()
-        if not 0 <= wait_site < WAIT_SITES:
-            raise ValueError(f"SymmBuffer.barrier: wait_site must be in [0, {WAIT_SITES}), got {wait_site}")
+        if not 0 <= wait_site < NUM_WAIT_SITES:
+            raise ValueError(f"SymmBuffer.barrier: wait_site must be in [0, {NUM_WAIT_SITES}), got {wait_site}")
         try:
             self._transport.barrier(tag, exchange, wait_site)
         except MegaMoEPeerError as err:
@@ -557,12 +557,13 @@ class SymmBuffer:
         """int64 [1] on the buffer's device: nanoseconds this rank's barriers have waited for their
         peers since the buffer was made (device time, %globaltimer, on CUDA; host time on CPU).
         Grows when a peer arrives late: it has more rows to compute, or its host runs behind.
-        A counter like `expert_recv_stats`: copy it (no host sync) and take differences."""
+        The sum of peer_wait_ns_by_site's counters, read now (a new tensor, no host sync): take
+        differences of two reads."""
         return self._transport.wait_ns.sum(0, keepdim=True)
 
     @property
     def peer_wait_ns_by_site(self) -> torch.Tensor:
-        """int64 [WAIT_SITES]: peer_wait_ns split by the barrier site that waited (the protocol's
+        """int64 [NUM_WAIT_SITES]: peer_wait_ns split by the barrier site that waited (the protocol's
         WAIT_SITES names them: forward / backward, first / push barrier). The live counters."""
         return self._transport.wait_ns
 

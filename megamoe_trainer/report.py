@@ -10,6 +10,10 @@ import os
 from megamoe_train.protocol import WAIT_SITES
 
 
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
 class MetricsLog:
     """metrics.jsonl in the run dir, one JSON object per logged step. On resume the records past
     the checkpoint's step are dropped, so the file always describes one continuous run."""
@@ -88,32 +92,32 @@ class ProgressReport:
             # where each rank waited: the peers were late arriving at that barrier
             record["peer_wait_ms_by_site"] = {site: by_site[:, i].tolist() for i, site in enumerate(WAIT_SITES)}
             # the EP rank that waited most: the other ranks were behind it this step
-            record["peer_wait_most_rank"] = max(range(len(waits)), key=waits.__getitem__)
+            record["peer_wait_most_rank"] = _argmax(waits)
         if gc_paused is not None:
             record["host_gc_ms"] = [v / 1e6 for v in gc_paused.tolist()]
         self.metrics.append(record)
         self.window.append(record["loss"])
         if step % recipe.run.log_every == 0 or step == self.first_step or step == self.last_step:
             imb, gn = record.get("load_imbalance"), record["grad_norm"]
-            wait = ""
+            pacing = ""  # what set the pace between the EP ranks this step
             if "ep_rank_imbalance" in record:
-                busiest = max(range(len(record["ep_rank_load"])), key=record["ep_rank_load"].__getitem__)
-                wait = f" | EP rank rows max/mean {record['ep_rank_imbalance']:.3f} (rank {busiest} most)"
+                busiest = _argmax(record["ep_rank_load"])
+                pacing = f" | EP rank rows max/mean {record['ep_rank_imbalance']:.3f} (rank {busiest} most)"
             if "peer_wait_ms" in record:
                 most = record["peer_wait_most_rank"]
                 sites = record["peer_wait_ms_by_site"]
                 where = max(sites, key=lambda site: sites[site][most])
-                wait += f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most} (most at {where})"
+                pacing += f" | peer wait {record['peer_wait_ms'][most]:.1f} ms on EP rank {most} (most at {where})"
             gc_ms = record.get("host_gc_ms") or [0.0]
             if max(gc_ms) >= 0.05:  # a collection ran on some rank's host this step
-                slowest = max(range(len(gc_ms)), key=gc_ms.__getitem__)
-                wait += f" | host GC {gc_ms[slowest]:.1f} ms on EP rank {slowest}"
+                slowest = _argmax(gc_ms)
+                pacing += f" | host GC {gc_ms[slowest]:.1f} ms on EP rank {slowest}"
             avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
             self.window.clear()
             print(
                 f"step {step:5d}/{recipe.train.steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | "
                 f"MFU {100 * record['mfu']:.1f}% | load max/mean {imb if imb is None else format(imb, '.2f')}"
-                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'}{wait} | "
+                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'}{pacing} | "
                 f"lr {lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
                 flush=True,
             )
