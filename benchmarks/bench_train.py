@@ -45,8 +45,9 @@ VARIANTS = {
     "fp8": ("fp8", []),
     "bf16-unfused": ("bf16", [_UNFUSED]),
     "fp8-unfused": ("fp8", [_UNFUSED]),
-    "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
-    "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
+    "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
+    "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true"]),
+    "bf16-graph-unfused": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
     "stock": (None, []),
     # host-side A/Bs against "bf16": Python's GC run by hand, rank processes pinned to their GPU's
     # CPUs, both, and the router's top-k kernel

@@ -25,6 +25,11 @@ Contract (checked where it can be):
 - parameter gradients: a parameter with Megatron's `main_grad` gets the static gradient tensor
   itself (Megatron's gradient hook folds it into main_grad right away); any other parameter
   gets it through autograd's accumulation, which copies it.
+- fuse_wgrad_accumulation=True (mega_moe's gradient-accumulation fusion, for w1 and w2 with a
+  `main_grad`): the captured backward adds the expert wgrads into main_grad itself, so main_grad
+  must keep its storage (Megatron DDP's grad buffer does: it is zeroed in place); a replay whose
+  main_grad moved runs eagerly. The warm-up calls before capture add into scratch accumulators,
+  never into main_grad.
 """
 
 from __future__ import annotations
@@ -48,9 +53,12 @@ class GraphedMegaMoE:
     """
 
     def __init__(self, buffer: SymmBuffer, w1, w2, *, shared_w1=None, shared_w2=None, backend: str = "auto",
-                 layer_id: int = 0, warmup_calls: int = 2):
+                 layer_id: int = 0, warmup_calls: int = 2, fuse_wgrad_accumulation: bool = False):
         if buffer.device.type != "cuda":
             raise ValueError("GraphedMegaMoE: CUDA graphs need a CUDA buffer")
+        if fuse_wgrad_accumulation and not (hasattr(w1, "main_grad") and hasattr(w2, "main_grad")):
+            raise ValueError("GraphedMegaMoE: fuse_wgrad_accumulation needs w1 and w2 with a main_grad")
+        self.fuse = fuse_wgrad_accumulation
         self.buffer = buffer
         self.params = [p for p in (w1, w2, shared_w1, shared_w2) if p is not None]
         self.weights = (w1, w2, shared_w1, shared_w2)  # what eager calls read
@@ -65,7 +73,12 @@ class GraphedMegaMoE:
     def _call(self, x, topk_idx, topk_weights, recv_stats, weights=None):
         w1, w2, sw1, sw2 = weights or self.weights
         return mega_moe(x, topk_idx, topk_weights, w1, w2, self.buffer, shared_w1=sw1, shared_w2=sw2,
-                        recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id)
+                        recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id,
+                        fuse_wgrad_accumulation=self.fuse)
+
+    def _main_grads(self) -> tuple:
+        """Where the expert wgrads of a replay go (fused accumulation): the storages captured."""
+        return tuple(w.main_grad.data_ptr() for w in self.weights[:2]) if self.fuse else ()
 
     def _grad_inputs(self):
         params = [w for w in self.leaves if w is not None]
@@ -76,6 +89,9 @@ class GraphedMegaMoE:
         # a parameter's gradient-accumulation node can outlive iterations (Megatron's DDP keeps
         # it) on the stream it was made on, and autograd would join that stream into the capture.
         self.leaves = tuple(None if w is None else w.detach().requires_grad_(w.requires_grad) for w in self.weights)
+        if self.fuse:  # the warm-up calls add into scratch accumulators, not into main_grad
+            for leaf, w in zip(self.leaves[:2], self.weights[:2]):
+                leaf.main_grad = torch.zeros_like(w.main_grad)
         dev = x.device
         self.x = x.detach().clone().requires_grad_(x.requires_grad)
         self.topk_idx = topk_idx.detach().clone()
@@ -94,6 +110,9 @@ class GraphedMegaMoE:
                 torch.autograd.grad(y, inputs, self.grad_y.normal_(), allow_unused=True)
             del y
         torch.cuda.current_stream(dev).wait_stream(side)
+        if self.fuse:  # captured (not run): the replays add into the parameters' main_grad
+            for leaf, w in zip(self.leaves[:2], self.weights[:2]):
+                leaf.main_grad = w.main_grad
 
         self.pool = torch.cuda.graph_pool_handle()
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -103,6 +122,7 @@ class GraphedMegaMoE:
             self.grads = torch.autograd.grad(self.y, inputs, self.grad_y, allow_unused=True)
         self.recv_counts.zero_()  # the warm-up calls counted rows
         self._captured_signature = _signature(x, topk_idx, topk_weights)
+        self._captured_main_grads = self._main_grads()
 
     # ------------------------------------------------------------------ replay
 
@@ -111,7 +131,8 @@ class GraphedMegaMoE:
             return self._call(x, topk_idx, topk_weights, recv_stats)
         if self._captured_signature is None:
             self._capture(x, topk_idx, topk_weights)
-        elif _signature(x, topk_idx, topk_weights) != self._captured_signature:
+        elif (_signature(x, topk_idx, topk_weights) != self._captured_signature
+              or self._main_grads() != self._captured_main_grads):
             return self._call(x, topk_idx, topk_weights, recv_stats)
         self.replays += 1
         y = _Replay.apply(self, x, topk_weights, topk_idx, *self.params)
@@ -146,7 +167,12 @@ class _Replay(torch.autograd.Function):
 
         grad_x, grad_tw = (None if d is None else d.clone() for d in (take(g.x), take(g.topk_weights)))
         # Megatron's hook moves .grad into main_grad at once: hand over the static tensor (a fresh
-        # alias, which autograd adopts without a copy). Otherwise autograd copies it.
+        # alias, which autograd adopts without a copy). Otherwise autograd copies it. With fused
+        # accumulation the replay already added w1's and w2's into main_grad: their grads are the
+        # captured placeholders, flagged for the hook as mega_moe flags them.
         param_grads = [grad.detach() if grad is not None and hasattr(p, "main_grad") else grad
                        for p, grad in ((p, take(p)) for p in g.params)]
+        if g.fuse:
+            for p in g.params[:2]:
+                p.grad_added_to_main_grad = True
         return None, grad_x, grad_tw, None, *param_grads

@@ -408,8 +408,6 @@ def validate(recipe: Recipe) -> Recipe:
                               f"(train.micro_batch_size * model.seq_length = {t.micro_batch_size * m.seq_length})")
         if moe.megamoe_cuda_graph and recipe.parallel.device != "cuda":
             raise RecipeError("moe.megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
-        if moe.megamoe_cuda_graph and moe.megamoe_fuse_wgrad_accumulation:
-            raise RecipeError("moe.megamoe_fuse_wgrad_accumulation", "cannot be combined with moe.megamoe_cuda_graph; set it false")
         _check_megamoe_shapes(recipe)
 
     # data

@@ -51,8 +51,9 @@ class MegaMoETransformerConfig(TransformerConfig):
       parameters' `main_grad` (Megatron DDP's accumulator), added in the wgrad GEMM's epilogue on
       the GPU backend, and `grad_added_to_main_grad` tells DDP's hook to skip its own add (the
       convention of Megatron's gradient_accumulation_fusion, which needs APEX for dense layers;
-      this one covers the MegaMoE experts only). Needs Megatron DDP (main_grad on the weights),
-      the stacked expert parameters and no moe_megamoe_cuda_graph.
+      this one covers the MegaMoE experts only). Needs Megatron DDP (main_grad on the weights)
+      and the stacked expert parameters; with moe_megamoe_cuda_graph the captured backward adds
+      into main_grad (whose storage must stay put, as DDP's grad buffer does).
     """
 
     moe_megamoe_recipe: Optional[str] = None
@@ -163,8 +164,6 @@ def validate_megamoe(config) -> None:
             bad("moe_megamoe_cuda_graph", "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)")
         if _get(config, "recompute_granularity") is not None:
             bad("moe_megamoe_cuda_graph", f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})")
-    if _get(config, "moe_megamoe_fuse_wgrad_accumulation") and _get(config, "moe_megamoe_cuda_graph"):
-        bad("moe_megamoe_fuse_wgrad_accumulation", "cannot be combined with moe_megamoe_cuda_graph (a graph replays its own gradient hand-over)")
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
         bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
 

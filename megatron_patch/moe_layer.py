@@ -100,15 +100,15 @@ class MegaMoECall:
         shared = {}
         if cfg.num_shared_experts:
             shared = dict(shared_w1=self.shared_experts.linear_fc1.weight, shared_w2=self.shared_experts.linear_fc2.weight)
-        if getattr(self.config, "moe_megamoe_cuda_graph", False) and x.is_cuda and isinstance(self.experts, MegaMoEExperts):
-            if self.graphed is None or self.graphed.buffer is not buffer:
-                self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
-                                              layer_id=self.layer_id, **shared)
-            return self.graphed(x, topk_idx, topk_weights, recv_stats)
         # Gradient-accumulation fusion where the weights are DDP's stacked parameters (main_grad
         # set); the megakernel backend's per-forward stack has no accumulator of its own.
         fuse = (getattr(self.config, "moe_megamoe_fuse_wgrad_accumulation", False) and isinstance(self.experts, MegaMoEExperts)
                 and hasattr(w1, "main_grad") and hasattr(w2, "main_grad"))
+        if getattr(self.config, "moe_megamoe_cuda_graph", False) and x.is_cuda and isinstance(self.experts, MegaMoEExperts):
+            if self.graphed is None or self.graphed.buffer is not buffer:
+                self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
+                                              layer_id=self.layer_id, fuse_wgrad_accumulation=fuse, **shared)
+            return self.graphed(x, topk_idx, topk_weights, recv_stats)
         return mega_moe(
             x,
             topk_idx,

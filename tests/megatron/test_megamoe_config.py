@@ -104,10 +104,10 @@ def test_cuda_graph_needs_one_forward_in_flight():
         validate_megamoe(cfg)  # only the graphs need it
 
 
-def test_fused_wgrad_accumulation_is_not_for_graphs():
+def test_fused_wgrad_accumulation_with_graphs():
     assert make(moe_megamoe_fuse_wgrad_accumulation=True).moe_megamoe_fuse_wgrad_accumulation
-    with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_fuse_wgrad_accumulation:"):
-        make(moe_megamoe_fuse_wgrad_accumulation=True, moe_megamoe_cuda_graph=True)
+    cfg = make(moe_megamoe_fuse_wgrad_accumulation=True, moe_megamoe_cuda_graph=True)  # the graph adds into main_grad
+    assert cfg.moe_megamoe_fuse_wgrad_accumulation and cfg.moe_megamoe_cuda_graph
 
 
 def test_layer_without_recipe_refuses():
