@@ -145,7 +145,7 @@ def test_bf16_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, me
     name = "bf16_wgrad_grouped_gemm_accumulate" if accumulate else "bf16_wgrad_grouped_gemm"
     with pytest.raises(RuntimeError, match=f"{name}: {message}"):
         cutlass_gemm._cuda.bf16_wgrad_grouped_gemm(0, 0, 0, 0, groups, m, n, p, accumulate, variant, 1, 0, 0, 0, 0)
-    assert cutlass_gemm._cuda.BF16_WGRAD_VARIANTS == 3
+    assert cutlass_gemm._cuda.BF16_WGRAD_VARIANTS == 6
 
 
 def _toolchain():

@@ -18,6 +18,7 @@ namespace megamoe {
 namespace {
 
 using namespace cute;
+using detail::EpilogueBuffers;
 using detail::GroupedDim;
 using detail::GroupedGemm;
 using BF16 = cutlass::bfloat16_t;
@@ -28,10 +29,23 @@ using CooperativeEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using Pingpong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
 using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
-// The same three configurations for both outputs (ElementD: bf16 stored, float accumulated):
+// The same configurations for both outputs (ElementD: bf16 stored, float accumulated):
 // 0: cooperative 128x128x64, 1x2 cluster (A tile multicast to neighbouring N tiles);
 // 1: cooperative 128x256x64, no cluster: half the tiles, twice the epilogue per tile;
 // 2: ping-pong 128x128x64 per warpgroup, 1x2 cluster.
+// 3-5 are 0 and 2 with EpilogueBuffers (grouped_gemm_impl.cuh): C and D in buffers of their own.
+// With the builder's buffers an fp32 D reuses C's four 128x32 buffers, so the next tile's C is
+// fetched only as this tile's stores leave shared memory, the last subtile's during the next
+// epilogue (its load latency exposed every tile); with 2 D buffers the epilogue waits, after each
+// subtile's store, for the one before to leave shared memory. Shared memory per CTA (227 KB): the
+// main loop keeps what the epilogue leaves, 32 KB a stage (static_assert in GroupedGemm).
+// 3: 0 with 128x32 subtiles, C 4 buffers (a whole tile: the next tile's C is read while this one
+//    is written), D 2 (fp32; 96 KB, 4 main-loop stages) or 4 (bf16: a tile's stores in flight);
+// 4: 0 with 128x64 subtiles (half the subtile barriers and store waits), C 2 and D 2 buffers: a
+//    whole tile of each (fp32 128 KB, 3 main-loop stages; bf16 32 KB);
+// 5: 2 with 64x32 subtiles, C 8 buffers (a whole tile of the next warpgroup's C, read during its
+//    main loop), D 4 (fp32; 96 KB, 4 main-loop stages) or 8 (bf16: a tile's stores in flight;
+//    ping-pong still drains them at each tile's end, under the other warpgroup's MMAs).
 template <class ElementD>
 using V0 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
                        MK, ElementD>;
@@ -41,12 +55,26 @@ using V1 = GroupedGemm<BF16, KN, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop
 template <class ElementD>
 using V2 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Pingpong, PingpongEpi, GroupedDim::kDepth, MK,
                        ElementD>;
+template <class ElementD>
+constexpr bool kFp32 = std::is_same_v<ElementD, float>;
+template <class ElementD>
+using V3 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
+                       MK, ElementD, EpilogueBuffers<Shape<_128, _32>, 4, kFp32<ElementD> ? 2 : 4>>;
+template <class ElementD>
+using V4 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
+                       MK, ElementD, EpilogueBuffers<Shape<_128, _64>, 2, 2>>;
+template <class ElementD>
+using V5 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Pingpong, PingpongEpi, GroupedDim::kDepth, MK,
+                       ElementD, EpilogueBuffers<Shape<_64, _32>, 8, kFp32<ElementD> ? 4 : 8>>;
 
 template <class ElementD>
 size_t workspace_bytes(int num_groups, int variant, int device) {
   switch (variant) {
     case 1: return V1<ElementD>::workspace_bytes(num_groups, device);
     case 2: return V2<ElementD>::workspace_bytes(num_groups, device);
+    case 3: return V3<ElementD>::workspace_bytes(num_groups, device);
+    case 4: return V4<ElementD>::workspace_bytes(num_groups, device);
+    case 5: return V5<ElementD>::workspace_bytes(num_groups, device);
     default: return V0<ElementD>::workspace_bytes(num_groups, device);
   }
 }
@@ -57,13 +85,16 @@ const char* run(const GroupedGemmArgs& args) {
     case 0: return V0<ElementD>::run(args);
     case 1: return V1<ElementD>::run(args);
     case 2: return V2<ElementD>::run(args);
+    case 3: return V3<ElementD>::run(args);
+    case 4: return V4<ElementD>::run(args);
+    case 5: return V5<ElementD>::run(args);
     default: return "unknown bf16 wgrad variant";
   }
 }
 
 }  // namespace
 
-int bf16_wgrad_grouped_gemm_variants() { return 3; }
+int bf16_wgrad_grouped_gemm_variants() { return 6; }
 
 size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, bool accumulate, int device) {
   return accumulate ? workspace_bytes<float>(num_groups, variant, device) : workspace_bytes<BF16>(num_groups, variant, device);

@@ -71,6 +71,54 @@ struct StridedScalesMainloop : Base {
   }
 };
 
+// The epilogue's subtile and shared-memory buffers, GroupedGemm's last parameter. Through CUTLASS's
+// epilogue builder: EpilogueTileAuto (the default: 128x32 subtiles for a cooperative tile, 64x32
+// for a ping-pong one) or an explicit subtile (a cute::Shape), both with the builder's buffers
+// (sm90_get_tma_dispatch_policy): D 2 stages and C min(subtiles, 4), C's buffer reused by D when
+// C and D have one width (fp32 accumulation), so a C buffer is refilled only after the store that
+// reused it has left shared memory. EpilogueBuffers instead gives C and D buffers of their own,
+// StagesC and StagesD subtiles: the C producer refills a buffer as soon as the epilogue has read
+// it (StagesC = a tile's subtiles: the next tile's C is fetched during this tile's epilogue),
+// and up to StagesD stores are in flight before the epilogue waits for one to leave. The main
+// loop gets whatever shared memory is left (StageCountAutoCarveout).
+template <class EpilogueTile_, int StagesC_, int StagesD_>
+struct EpilogueBuffers {
+  using EpilogueTile = EpilogueTile_;
+  static constexpr int kStagesC = StagesC_;
+  static constexpr int kStagesD = StagesD_;
+};
+
+template <class Config, class TileShape, class ClusterShape, class ElementC, class ElementD, class LayoutD, int kAlignD,
+          class EpilogueSchedule>
+struct EpilogueFor {  // EpilogueTileAuto or an explicit subtile: the builder's policy
+  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, Config, float, float,
+      ElementC, LayoutD*, kAlignD,  // no source operand (beta = 0) unless accumulating into D
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>::CollectiveOp;
+};
+
+template <class EpilogueTile, int kStagesC, int kStagesD, class TileShape, class ClusterShape, class ElementC,
+          class ElementD, class LayoutD, int kAlignD, class EpilogueSchedule>
+struct EpilogueFor<EpilogueBuffers<EpilogueTile, kStagesC, kStagesD>, TileShape, ClusterShape, ElementC, ElementD, LayoutD,
+                   kAlignD, EpilogueSchedule> {
+  static_assert(cutlass::epilogue::collective::detail::sm90_is_ptr_array_tma_v<EpilogueSchedule>,
+                "EpilogueBuffers builds the pointer-array TMA epilogue");
+  // the builder's own check of an explicit subtile (M = 128 cooperative, 64 ping-pong; N % 16 == 0)
+  using Tile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
+                        ElementD, EpilogueTile, EpilogueSchedule, TileShape>());
+  static constexpr bool kCooperative = cutlass::epilogue::collective::detail::sm90_is_cooperative_v<EpilogueSchedule>;
+  static constexpr int kSubtiles = size(shape_div(take<0, 2>(TileShape{}), Tile{}));
+  static_assert(kStagesC >= 1 && kStagesD >= 1 && kStagesD <= kSubtiles, "stages of a subtile each, D at most a tile");
+  // the builder's policy with ReuseSmemC = false; DelayTmaStore is off for pointer-array epilogues
+  using Policy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
+      kStagesC, kStagesD, static_cast<int>(size(Tile{})) / (kCooperative ? 256 : 128), /*ReuseSmemC=*/false,
+      /*DelayTmaStore=*/false, EpilogueSchedule::NumEpilogueWarpGroups>;
+  using type = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      TileShape, Tile, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>, Policy>::CollectiveOp;
+};
+
 // ElementAB: cutlass::float_e4m3_t (block-scaled) or cutlass::bfloat16_t.
 // LayoutB: ColumnMajor = B[g] stored [N, K] (K contiguous); RowMajor = stored [K, N].
 // Depth-grouped, two kinds:
@@ -80,9 +128,10 @@ struct StridedScalesMainloop : Base {
 //   ColumnMajor, LayoutB RowMajor; 16-bit wgmma reads either major); D[g] bf16 is written, or
 //   (ElementD float) D[g] fp32 is accumulated into (D += A^T B: C is D, beta = 1), e.g. a
 //   parameter's fp32 main_grad.
+// EpilogueConfig: EpilogueTileAuto, a subtile shape or EpilogueBuffers (above).
 template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule,
           GroupedDim kGroupedDim = GroupedDim::kRows, class LayoutA_ = cutlass::layout::RowMajor,
-          class ElementD_ = cutlass::bfloat16_t>
+          class ElementD_ = cutlass::bfloat16_t, class EpilogueConfig = cutlass::epilogue::collective::EpilogueTileAuto>
 struct GroupedGemm {
   using Element = ElementAB;
   static constexpr bool kBlockScaled = std::is_same_v<ElementAB, cutlass::float_e4m3_t>;
@@ -116,12 +165,8 @@ struct GroupedGemm {
   using StridePairA = std::conditional_t<kBlockScaled, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
   using StridePairB = std::conditional_t<kBlockScaled, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      ElementC, LayoutD*, kAlignD,  // no source operand (beta = 0) unless accumulating into D
-      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>::CollectiveOp;
+  using Epilogue =
+      typename EpilogueFor<EpilogueConfig, TileShape, ClusterShape, ElementC, ElementD, LayoutD, kAlignD, EpilogueSchedule>::type;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -133,6 +178,8 @@ struct GroupedGemm {
   using Mainloop = std::conditional_t<kDepthGrouped && kBlockScaled, StridedScalesMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  static_assert(Kernel::SharedStorageSize <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "the kernel's shared memory exceeds an SM's 227 KB");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using GroupShape = typename ProblemShape::UnderlyingProblemShape;
   using StrideA = typename Kernel::InternalStrideA;
@@ -351,9 +398,9 @@ __global__ void fill_skipped_groups(const int32_t* group_ends, int64_t group_ele
 }
 
 template <class ElementAB, class LayoutB, class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule,
-          GroupedDim kGroupedDim, class LayoutA, class ElementD>
+          GroupedDim kGroupedDim, class LayoutA, class ElementD, class EpilogueConfig>
 const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, EpilogueSchedule, kGroupedDim, LayoutA,
-                        ElementD>::run(
+                        ElementD, EpilogueConfig>::run(
     const GroupedGemmArgs& p) {
   using Self = GroupedGemm;
   if (p.num_groups <= 0) return "num_groups must be positive";
