@@ -38,7 +38,11 @@ FP8_DEFAULT = (0, 1)
 # leaves one CTA of an M pair idle (bench_layer A/B, NOTES.md).
 BF16_DEFAULT = (2, 4)
 FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
-BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32
+BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32, where no expert depth is given
+# Accumulating into fp32 by experts' mean depth (pool rows per expert): ping-pong with C prefetched a
+# tile ahead (5) from 320 rows (bench_gemm wgrad_acc, 1x H200: proxy's 512 rows W2 -14% / W1 -4%,
+# S1's 384 -4% / -7% against 0), cooperative 128x128 (0) below (S4's 256 rows: 5 is 9% slower on W1).
+BF16_WGRAD_DEEP_ROWS, BF16_WGRAD_DEEP = 320, (5, 1)
 BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
 
 # (kind, device index, groups, variant, layout, stream) -> scratch for CUTLASS's per-group
@@ -220,6 +224,11 @@ def bf16_wgrad_grouped_gemm(a, b, group_ends, out, variant: int | None = None, s
     [G, M, N]. An expert with no rows gets zeros; group_ends is read on the device only, and a
     group whose range is not inside [0, P] is not computed and gets NaN. Returns out."""
     return _bf16_wgrad("bf16_wgrad_grouped_gemm", a, b, group_ends, out, variant, swizzle, accumulate=False)
+
+
+def bf16_wgrad_accumulate_config(mean_rows_per_group: float) -> tuple[int, int]:
+    """(variant, swizzle) of bf16_wgrad_grouped_gemm_accumulate for experts of this mean depth."""
+    return BF16_WGRAD_DEEP if mean_rows_per_group >= BF16_WGRAD_DEEP_ROWS else BF16_WGRAD_DEFAULT
 
 
 def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):

@@ -164,7 +164,9 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
         fusable = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
                    and _cutlass_takes(grad, inputs, accumulator))
         if fusable:
-            cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator)
+            local_experts = plan.expert_ends.shape[0]
+            config = cutlass_gemm.bf16_wgrad_accumulate_config(cfg.num_max_tokens_per_rank * cfg.topk / local_experts)
+            cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator, *config)
             return None
         wgrad = _bf16_wgrad(grad, inputs, plan)
     if accumulator is None:
