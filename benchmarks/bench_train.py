@@ -45,6 +45,9 @@ VARIANTS = {
     "fp8": ("fp8", []),
     "bf16-unfused": ("bf16", [_UNFUSED]),
     "fp8-unfused": ("fp8", [_UNFUSED]),
+    # the MoE layers eager (on CUDA the recipes' default is replaying them from graphs)
+    "bf16-eager": ("bf16", ["moe.megamoe_cuda_graph=false"]),
+    "fp8-eager": ("fp8", ["moe.megamoe_cuda_graph=false"]),
     "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
     "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true"]),
     "bf16-graph-unfused": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),

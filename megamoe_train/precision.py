@@ -96,6 +96,9 @@ RECIPES: dict[str, PrecisionRecipe] = {
     "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
 }
 
+# the recipes the GPU executor (backends/triton_backend.py) runs; the others run the reference on a GPU
+GPU_EXECUTOR_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad")
+
 
 def get_recipe(name: str) -> PrecisionRecipe:
     try:

@@ -177,7 +177,8 @@ def _describe(recipe: Recipe, world: int, device: str, model, dev: torch.device,
             f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
             f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
             f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
-            f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}) | "
+            f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}"
+            f"{', CUDA graphs' if moe.megamoe_recipe and recipe.megamoe_cuda_graph else ''}) | "
             f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
             f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
             f"attention {m.attention} | data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")

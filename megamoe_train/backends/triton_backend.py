@@ -39,6 +39,7 @@ import torch
 
 from ..faults import STATUS_BAD, STATUS_OK
 from ..plan import Plan
+from ..precision import GPU_EXECUTOR_RECIPES
 from ..quant import dequantize_tokens_t
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights
@@ -53,12 +54,11 @@ _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where 
 # cutlass_gemm.bf16_wgrad_grouped_gemm); torch by default: ours was within noise of it in the
 # layer (NOTES.md).
 _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
-SUPPORTED_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad")
 
 
 def supports(buf: SymmBuffer) -> bool:
     cfg = buf.config
-    if buf.device.type != "cuda" or cfg.recipe not in SUPPORTED_RECIPES or cfg.dtype != torch.bfloat16:
+    if buf.device.type != "cuda" or cfg.recipe not in GPU_EXECUTOR_RECIPES or cfg.dtype != torch.bfloat16:
         return False
     if cfg.intermediate % 128 or cfg.hidden % 128 or cfg.block_m not in (64, 128):
         return False
