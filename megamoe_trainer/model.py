@@ -137,10 +137,12 @@ def layer_spec(recipe, cfg):
 
 
 def count_params(model) -> tuple[int, int]:
+    """(parameters, routed-expert parameters) of this rank. Megatron marks expert weights with
+    allreduce=False only under expert parallelism, so the module path names them too (EP 1)."""
     total = expert = 0
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         total += p.numel()
-        if not getattr(p, "allreduce", True):
+        if not getattr(p, "allreduce", True) or ".mlp.experts." in name:
             expert += p.numel()
     return total, expert
 
