@@ -1,7 +1,7 @@
 """Training throughput of one recipe, end to end: MegaMoE bf16, MegaMoE fp8 and Megatron's stock
 MoE layer (alltoall dispatcher + SequentialMLP), same recipe, seed and data, in one run.
 
-    python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock,bf16-graph,fp8-graph]
+    python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock,bf16-eager,fp8-eager]
         [--profile-steps 3] [--out DIR] [--set SECTION.KEY=VALUE ...]
 
 Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Reported per variant:
@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# name -> (moe.megamoe_recipe, extra recipe settings); "-graph": MoE layers replayed from CUDA graphs;
+# name -> (moe.megamoe_recipe, extra recipe settings); "-graph": MoE layers replayed from CUDA graphs
+# (the recipes' default on CUDA), "-eager": called eagerly;
 # "-unfused": expert wgrads returned as .grad and added into main_grad by DDP's hook
 _UNFUSED = "moe.megamoe_fuse_wgrad_accumulation=false"
 VARIANTS = {
@@ -45,7 +46,6 @@ VARIANTS = {
     "fp8": ("fp8", []),
     "bf16-unfused": ("bf16", [_UNFUSED]),
     "fp8-unfused": ("fp8", [_UNFUSED]),
-    # the MoE layers eager (on CUDA the recipes' default is replaying them from graphs)
     "bf16-eager": ("bf16", ["moe.megamoe_cuda_graph=false"]),
     "fp8-eager": ("fp8", ["moe.megamoe_cuda_graph=false"]),
     "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
