@@ -51,13 +51,14 @@ VARIANTS = {
     "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
     "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true"]),
     "bf16-graph-unfused": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
-    "stock": (None, []),
+    "stock": (None, ["moe.fused_router_topk=false"]),  # Megatron's MoE layer and router as they are
     # host-side A/Bs against "bf16": Python's GC run by hand, rank processes pinned to their GPU's
-    # CPUs, both, and the router's top-k kernel
+    # CPUs, both, and the router's top-k by kernel / by torch.topk
     "bf16-manual-gc": ("bf16", ["train.manual_gc=true"]),
     "bf16-pinned": ("bf16", ["parallel.pin_cpus=true"]),
     "bf16-manual-gc-pinned": ("bf16", ["train.manual_gc=true", "parallel.pin_cpus=true"]),
     "bf16-router-kernel": ("bf16", ["moe.fused_router_topk=true"]),
+    "bf16-router-torch": ("bf16", ["moe.fused_router_topk=false"]),
 }
 
 

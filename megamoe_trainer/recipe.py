@@ -95,9 +95,9 @@ class MoESection:
     router_expert_bias: bool = False  # aux-loss-free balancing (needs sigmoid scores)
     router_bias_update_rate: float = 1e-3
     # CUDA only: the router's top-k expert selections (group-limited and aux-loss) in one Triton
-    # kernel per call instead of torch.topk's (megatron_patch.routing); same experts chosen. Off by
-    # default: training tokens/s with it varied more between runs than without (NOTES.md, session 22)
-    fused_router_topk: bool = False
+    # kernel per call instead of torch.topk's (megatron_patch.routing); same experts chosen. On: with
+    # the MoE layers graphed it measured +3.1% tokens/s in two A/B pairs (NOTES.md, session 24)
+    fused_router_topk: bool = True
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     aux_loss_coeff: float = 1e-2
     z_loss_coeff: Optional[float] = None
