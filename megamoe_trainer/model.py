@@ -110,6 +110,12 @@ def build_model(recipe, device: str):
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce, use_distributed_optimizer=t.use_distributed_optimizer,
     )
+    # The 1/DP of the data-parallel mean is in the loss the trainer differentiates (train.py), so
+    # DDP must sum the gradients without scaling them first. DDP reads that from
+    # calculate_per_token_loss; nothing else the trainer runs does (megatron's schedules do, unused).
+    # Otherwise DDP multiplies every gradient buffer by 1/DP before the reduction: a pass over all
+    # fp32 main_grads, the expert ones too (their reduction group has one rank under full EP).
+    cfg.calculate_per_token_loss = True
     model = DistributedDataParallel(cfg, ddp_cfg, model)
     cfg.finalize_model_grads_func = finalize_model_grads
     opt_cfg = OptimizerConfig(

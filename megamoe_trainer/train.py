@@ -260,10 +260,15 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     last_ckpt_step = start_step
     prev_end = None
     model.train()
-    if accum > 1:  # Megatron's aux losses reach the router through this scale, like the main loss
+    # The step's loss is the mean over micro-batches and data-parallel ranks: each micro-batch's
+    # backward takes its loss over accum x DP, so DDP sums gradients unscaled (model.py; for a DP
+    # that is a power of two the gradients are the bits of scaling after the backward).
+    # Megatron's aux losses reach the router through the same scale.
+    grad_scale = 1.0 / (accum * dp_size)
+    if grad_scale != 1.0:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / accum, device=dev))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(grad_scale, device=dev))
     batch = fetch(consumed, 0) if start_step < last else None
     for step in range(start_step + 1, last + 1):
         host_start = time.perf_counter()
@@ -282,9 +287,9 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [B, S]
                 mask = batch["loss_mask"]
-                micro_loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1) / accum
-                micro_loss.backward()
-            loss = loss + micro_loss.detach()
+                micro_loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+                (micro_loss * grad_scale).backward()
+            loss = loss + micro_loss.detach() / accum
             if micro < accum - 1:
                 batch = fetch(consumed, micro + 1)
         finalize_model_grads([model])
@@ -339,7 +344,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
               f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {report.metrics.path} | plot {report.plot_path}", flush=True)
         if summary["peak_memory_gib"]:
             print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
-    if accum > 1:  # no CUDA tensor left in a class attribute for interpreter exit to free
+    if grad_scale != 1.0:  # no CUDA tensor left in a class attribute for interpreter exit to free
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
     dist.barrier()
 

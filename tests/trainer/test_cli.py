@@ -208,6 +208,25 @@ def test_gradient_accumulation_matches_one_large_micro_batch(tmp_path):
     assert runs["one"][0]["loss"] == pytest.approx(runs["two"][0]["loss"], rel=1e-5)  # before any update
 
 
+def test_data_parallel_mean_matches_one_rank(tmp_path):
+    """Two data-parallel ranks (EP 1: both hold every expert) of 2 sequences give the steps of one
+    rank of 4: the loss differentiated is the mean over ranks (1/DP in the loss, DDP summing
+    unscaled, expert gradients too). A missing or doubled 1/DP would change the gradient norm."""
+    runs = {}
+    for name, world, mbs in (("one", 1, 4), ("two", 2, 2)):
+        run = str(tmp_path / name)
+        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
+                                   "--set", f"parallel.world_size={world}", "--set", "parallel.expert_parallel=1",
+                                   "--set", f"train.micro_batch_size={mbs}", "--set", "run.checkpoint=false"])
+        assert code == 0, out + err
+        runs[name] = _metrics(run)
+    one, two = runs["one"], runs["two"]
+    assert one[0]["loss"] == pytest.approx(two[0]["loss"], rel=1e-5)  # same weights and samples
+    for a, b in zip(one, two):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-4), (a, b)
+
+
 def test_synthetic_corpus_is_deterministic():
     from megamoe_trainer.data import SyntheticCorpus
 
