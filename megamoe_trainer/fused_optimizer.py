@@ -18,6 +18,15 @@ switches megatron's torch AdamW param groups to `fused=True` (one fused kernel p
 tensors); megatron's OptimizerConfig has no switch for it. Both are process-global / per-optimizer
 and idempotent. Numerics: the same fp32 formulas (norm of norms, grad * min(1, clip/(norm+1e-6)),
 AdamW), in fused kernels.
+
+Clipping inside Adam: megatron clips by scaling every main gradient in place (a read and a write
+of all fp32 gradients) right before the optimizer reads them once more. Where the parameters
+clipped are exactly those of one fused torch Adam(W) with gradients, `install()`'s clip instead
+hands the coefficient to that optimizer as `grad_scale` (1 / coefficient), which torch's fused
+Adam divides every gradient by as it loads it (the hook AMP's GradScaler uses), and the value is
+dropped after the step. Numerics: grad / (1 / c) instead of grad * c, within an ulp where c < 1
+and exact where no clipping happens (c = 1). Anything else (decoupled grads, a host norm, a
+partial parameter list, a non-fused optimizer) is clipped by megatron's function as before.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 __all__ = ["install", "installed", "use_fused_adam"]
 
 _installed = False
+_original_clip = None
 
 
 def _l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -73,6 +83,24 @@ def _chained_grad_norm(self):
 _original_chained_grad_norm = None
 
 
+def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
+    """megatron's clip_grad_by_total_norm_fp32, the scaling deferred into fused Adam where it can be."""
+    params = [p for p in parameters if p.grad is not None]
+    adam = getattr(params[0], "_megamoe_fused_adam", None) if params else None
+    if (adam is None or use_decoupled_grad or not isinstance(total_norm, torch.Tensor)
+            or not all(group.get("fused") for group in adam.param_groups)):
+        return _original_clip(parameters, max_norm, total_norm, use_decoupled_grad)
+    with_grads = {id(p) for group in adam.param_groups for p in group["params"] if p.grad is not None}
+    if with_grads != {id(p) for p in params} or len(with_grads) != len(params):
+        return _original_clip(parameters, max_norm, total_norm, use_decoupled_grad)
+    coeff = (max_norm / (total_norm.reshape(()).float() + 1.0e-6)).clamp_max(1.0)
+    adam.grad_scale = coeff.reciprocal()  # read by the next step, dropped after it (_drop_grad_scale)
+
+
+def _drop_grad_scale(optimizer, args, kwargs):
+    optimizer.__dict__.pop("grad_scale", None)
+
+
 def installed() -> bool:
     return _installed
 
@@ -95,9 +123,11 @@ def install() -> bool:
     if mcore_optimizer.multi_tensor_scale_impl is mcore_utils.local_multi_tensor_scale:
         mcore_optimizer.multi_tensor_applier = _applier
         mcore_optimizer.multi_tensor_scale_impl = _scale
-    global _original_chained_grad_norm
+    global _original_chained_grad_norm, _original_clip
     _original_chained_grad_norm = mcore_optimizer.ChainedOptimizer.get_grad_norm
     mcore_optimizer.ChainedOptimizer.get_grad_norm = _chained_grad_norm
+    _original_clip = mcore_optimizer.clip_grad_by_total_norm_fp32  # optimizer.py's own name for it
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_by_total_norm
     _installed = True
     return True
 
@@ -112,12 +142,15 @@ def _torch_optimizers(optimizer):
 def use_fused_adam(optimizer) -> int:
     """Set fused=True on every torch Adam/AdamW param group under a megatron optimizer (call
     after building it and after loading a checkpoint, whose param groups may say otherwise).
-    Moves existing `step` counters to the parameter's device, as fused Adam keeps them.
-    Returns the number of param groups switched."""
+    Moves existing `step` counters to the parameter's device, as fused Adam keeps them, and lets
+    install()'s clip find each parameter's optimizer. Returns the number of param groups switched."""
     switched = 0
     for opt in _torch_optimizers(optimizer):
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             continue
+        if not getattr(opt, "_megamoe_drops_grad_scale", False):
+            opt.register_step_post_hook(_drop_grad_scale)
+            opt._megamoe_drops_grad_scale = True
         for group in opt.param_groups:
             params = [p for p in group["params"]]
             if not params or any(not p.is_floating_point() for p in params):
@@ -125,6 +158,7 @@ def use_fused_adam(optimizer) -> int:
             group["fused"] = True
             group["foreach"] = False
             for p in params:
+                p._megamoe_fused_adam = opt
                 state = opt.state.get(p)
                 if state and "step" in state and state["step"].device != p.device:
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
