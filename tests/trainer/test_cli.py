@@ -45,6 +45,22 @@ def test_every_recipe_validates(path):
     assert recipe.moe.megamoe_recipe in ("bf16", "fp8", "mxfp8_mxfp4")
 
 
+@pytest.mark.parametrize("overrides, graphed", [
+    ([], True),  # a GPU recipe as it is: bf16 on the GPU executor
+    (["moe.megamoe_recipe=fp8"], True),
+    (["parallel.device=cpu"], False),
+    (["moe.megamoe_backend=reference"], False),
+    (["moe.megamoe_recipe=mxfp8_mxfp4"], False),  # runs the reference on a GPU
+    (["moe.megamoe_recipe=null"], False),  # stock Megatron MoE
+    (["moe.megamoe_cuda_graph=false"], False),
+    (["moe.megamoe_cuda_graph=true", "moe.megamoe_backend=reference"], True),  # as set
+])
+def test_moe_cuda_graph_default_follows_the_executor(overrides, graphed):
+    """moe.megamoe_cuda_graph unset: on wherever the MoE layers run the GPU executor."""
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "deepseek_v3_proxy_2gpu_bf16.yaml"), overrides, deep=False)
+    assert recipe.megamoe_cuda_graph is graphed
+
+
 def _write(tmp_path, text, name="bad.yaml"):
     path = tmp_path / name
     path.write_text(text)
