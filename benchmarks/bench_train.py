@@ -2,7 +2,11 @@
 MoE layer (alltoall dispatcher + SequentialMLP), same recipe, seed and data, in one run.
 
     python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock,bf16-eager,fp8-eager]
-        [--profile-steps 3] [--out DIR] [--set SECTION.KEY=VALUE ...]
+        [--profile-steps 3] [--out DIR] [--set SECTION.KEY=VALUE ...] [--tree LABEL=DIR ...] [--repeat N]
+
+A/B of two code versions in one call: `git worktree add ../base HEAD~1` (plus the built
+extensions copied in), then `--tree base=../base --repeat 2` runs every variant from this checkout
+and from base, alternating, two rounds.
 
 Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Reported per variant:
 - tokens/s: median of the per-step global tokens/s after the warm-up steps, profiled steps excluded;
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,11 +73,14 @@ def _records(run_dir: str) -> list[dict]:
 
 
 def run_variant(recipe_path: str, name: str, steps: int, out: str, overrides: list[str], profile_at: int | None,
-                profile_steps: int) -> dict:
+                profile_steps: int, label: str | None = None, tree: str | None = None) -> dict:
+    """One megamoe-train run of variant `name`, reported as `label` (default the name); with `tree`
+    the trainer of that checkout runs it (a subprocess with the tree first on PYTHONPATH)."""
     from megamoe_trainer.cli import main as train
 
-    run_dir = os.path.join(out, name)
-    args = [recipe_path, "--steps", str(steps), "--no-resume", "--run-dir", run_dir,
+    label = label or name
+    run_dir = os.path.abspath(os.path.join(out, label))
+    args = [os.path.abspath(recipe_path), "--steps", str(steps), "--no-resume", "--run-dir", run_dir,
             "--set", f"moe.megamoe_recipe={'null' if VARIANTS[name][0] is None else VARIANTS[name][0]}",
             "--set", "run.checkpoint=false", "--set", "run.plot_every=0", "--set", f"run.log_every={max(1, steps // 10)}",
             "--set", f"train.steps={steps}"]
@@ -81,13 +89,17 @@ def run_variant(recipe_path: str, name: str, steps: int, out: str, overrides: li
     for o in VARIANTS[name][1] + overrides:
         args += ["--set", o]
     start = time.perf_counter()
-    code = train(args)
+    if tree is None:
+        code = train(args)
+    else:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
+        code = subprocess.run([sys.executable, "-m", "megamoe_trainer", *args], cwd=tree, env=env).returncode
     if code != 0:
-        return {"variant": name, "error": f"megamoe-train exited with {code}"}
+        return {"variant": label, "error": f"megamoe-train exited with {code}"}
     records = _records(run_dir)
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    return {"variant": name, "records": records, "summary": summary, "wall_s": time.perf_counter() - start}
+    return {"variant": label, "records": records, "summary": summary, "wall_s": time.perf_counter() - start}
 
 
 def _rel(a: float, b: float) -> float:
@@ -254,6 +266,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=3, help="steps under the torch profiler (CUDA; 0 = none)")
     p.add_argument("--out", default="runs/bench_train")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--tree", dest="trees", action="append", default=[], metavar="LABEL=DIR",
+                   help="also run every variant with another checkout's code (rows 'VARIANT@LABEL'), e.g. a git "
+                        "worktree of the parent commit; its compiled extensions must be in place (copy them "
+                        "where only Python differs)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the list this many times, alternating variants and trees (rows '#k'): machine "
+                        "drift then falls on every variant alike")
     args = p.parse_args(argv)
     from megamoe_trainer.cli import quiet
 
@@ -269,9 +288,22 @@ def main(argv=None) -> int:
     profiled = set(range(profile_at, profile_at + args.profile_steps)) if profile_at else set()
     os.makedirs(args.out, exist_ok=True)
 
-    results = {n: run_variant(args.recipe, n, args.steps, args.out, args.overrides, profile_at, args.profile_steps) for n in names}
-    reference = results.get("stock")
-    rows = [analyze(results[n], warmup, profiled, reference if n != "stock" else None) for n in names]
+    trees = [(None, None)]
+    for spec in args.trees:
+        label, sep, tree = spec.partition("=")
+        if not sep or not label or not os.path.isdir(os.path.join(tree, "megamoe_trainer")):
+            p.error(f"--tree {spec!r}: expected LABEL=DIR, DIR a checkout of this repository")
+        trees.append((label, os.path.abspath(tree)))
+    runs = []  # (row label, variant, tree): each repetition runs every variant from every tree in turn
+    for rep in range(args.repeat):
+        for n in names:
+            for label, tree in trees:
+                key = n if label is None else f"{n}@{label}"
+                runs.append((key if args.repeat == 1 else f"{key}#{rep + 1}", n, tree))
+    results = {key: run_variant(args.recipe, n, args.steps, args.out, args.overrides, profile_at, args.profile_steps,
+                                key, tree) for key, n, tree in runs}
+    reference = results.get("stock" if args.repeat == 1 else "stock#1")
+    rows = [analyze(results[key], warmup, profiled, reference if n != "stock" else None) for key, n, _ in runs]
     table = markdown(rows, args.recipe, args.steps)
     print(table, flush=True)
     out = {"recipe": args.recipe, "steps": args.steps, "warmup": warmup, "profiled_steps": sorted(profiled),

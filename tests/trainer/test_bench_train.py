@@ -42,6 +42,25 @@ def test_bench_train_cpu(tmp_path):
         assert rows[name]["loss_last20_mean_rel_diff_vs_stock"] < 1e-2
 
 
+def test_bench_train_another_tree_and_repeats(tmp_path):
+    """--tree runs each variant with another checkout's trainer too (here this one, through the
+    subprocess path), --repeat alternates them: rows 'bf16#1', 'bf16@other#1', 'bf16#2', ..."""
+    small = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.ffn_hidden_size": 128,
+             "model.seq_length": 32, "moe.ffn_hidden_size": 64, "train.micro_batch_size": 2}
+    args = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
+            "--steps", "3", "--profile-steps", "0", "--variants", "bf16", "--tree", f"other={ROOT}", "--repeat", "2",
+            "--out", str(tmp_path)]
+    for k, v in small.items():
+        args += ["--set", f"{k}={v}"]
+    proc = subprocess.run(args, cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.load(open(tmp_path / "bench_train.json"))["rows"]
+    assert [r["variant"] for r in rows] == ["bf16#1", "bf16@other#1", "bf16#2", "bf16@other#2"]
+    assert all(r["steps"] == 3 for r in rows)
+    assert len({tuple(r["losses"]) for r in rows}) == 1  # same code, seed and data
+
+
 def test_trace_summary_counts_peer_wait():
     """summarize_trace on a hand-made trace: the device barrier's spinning is reported as peer
     wait (and still counts as busy and kernel time), MoE ranges attribute kernels by launch."""
