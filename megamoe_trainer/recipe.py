@@ -96,7 +96,7 @@ class MoESection:
     router_bias_update_rate: float = 1e-3
     # CUDA only: the router's top-k expert selections (group-limited and aux-loss) in one Triton
     # kernel per call instead of torch.topk's (megatron_patch.routing); same experts chosen. On: with
-    # the MoE layers graphed it measured +3.1% tokens/s in two A/B pairs (NOTES.md, session 24)
+    # the MoE layers graphed it measured +3.1% tokens/s (means of two alternating pairs) (NOTES.md, session 24)
     fused_router_topk: bool = True
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     aux_loss_coeff: float = 1e-2
