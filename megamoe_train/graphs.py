@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import mega_moe
+from .backends import resolve_backend
 from .symm_buffer import SymmBuffer
 
 
@@ -58,6 +59,13 @@ class GraphedMegaMoE:
             raise ValueError("GraphedMegaMoE: CUDA graphs need a CUDA buffer")
         if fuse_wgrad_accumulation and not (hasattr(w1, "main_grad") and hasattr(w2, "main_grad")):
             raise ValueError("GraphedMegaMoE: fuse_wgrad_accumulation needs w1 and w2 with a main_grad")
+        executor = resolve_backend(backend, buffer).name
+        if executor != "triton":  # the reference reads the device on the host: it cannot be captured
+            raise ValueError(
+                f"GraphedMegaMoE: CUDA graphs need the GPU executor; backend {backend!r} runs {executor!r} for this "
+                f"buffer (recipe {buffer.config.recipe!r}, compute capability "
+                f"{torch.cuda.get_device_capability(buffer.device)}; see backends.resolve_backend)"
+            )
         self.fuse = fuse_wgrad_accumulation
         self.buffer = buffer
         self.params = [p for p in (w1, w2, shared_w1, shared_w2) if p is not None]

@@ -64,7 +64,7 @@ def transformer_config(recipe, on_gpu: bool = False):
         cross_entropy_fusion_impl="native",  # megatron's own (torch.compile'd); "te" needs Transformer Engine
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,
-        moe_megamoe_cuda_graph=recipe.megamoe_cuda_graph,
+        moe_megamoe_cuda_graph=moe.megamoe_cuda_graph,  # None: the adapter decides (cuda_graphs_enabled)
         moe_megamoe_fuse_wgrad_accumulation=moe.megamoe_fuse_wgrad_accumulation,
         moe_megamoe_max_tokens_per_rank=recipe.max_tokens_per_rank,
     )

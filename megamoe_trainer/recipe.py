@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from megamoe_train.precision import GPU_EXECUTOR_RECIPES, RECIPES as _RECIPES
+from megamoe_train.precision import RECIPES as _RECIPES
 
 from .flops import H200_BF16_PEAK_TFLOPS
 
@@ -104,8 +104,9 @@ class MoESection:
     megamoe_recipe: Optional[str] = "bf16"  # None = stock Megatron MoE; else one of MEGAMOE_RECIPES
     megamoe_backend: str = "auto"
     # replay each MoE layer's call from CUDA graphs (megamoe_train.graphs); None: wherever the layers
-    # run the GPU executor (parallel.device cuda, megamoe_backend auto/triton, a recipe it runs): a
-    # host that falls behind then no longer starves its GPU and its peer (BENCHMARKS.md, session 24)
+    # run the GPU executor (megatron_patch.cuda_graphs_enabled: CUDA, sm90, backend auto/triton, a
+    # recipe it runs): a host that falls behind then no longer starves its GPU and its peer
+    # (BENCHMARKS.md, session 24)
     megamoe_cuda_graph: Optional[bool] = None
     # expert wgrads added into DDP's main_grad by the wgrad GEMM (no separate main_grad += grad pass)
     megamoe_fuse_wgrad_accumulation: bool = True
@@ -171,15 +172,6 @@ class Recipe:
     @property
     def max_tokens_per_rank(self) -> int:
         return self.moe.max_tokens_per_rank or self.train.micro_batch_size * self.model.seq_length
-
-    @property
-    def megamoe_cuda_graph(self) -> bool:
-        """moe.megamoe_cuda_graph as set, or where unset, whether the MoE layers run the GPU executor."""
-        moe = self.moe
-        if moe.megamoe_cuda_graph is not None:
-            return moe.megamoe_cuda_graph
-        return (self.parallel.device == "cuda" and moe.megamoe_backend in ("auto", "triton")
-                and moe.megamoe_recipe in GPU_EXECUTOR_RECIPES)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

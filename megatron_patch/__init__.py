@@ -13,7 +13,14 @@ the router's expert selection one Triton kernel per call on the GPU (routing.py)
 from __future__ import annotations
 
 from . import cpu_compat
-from .config import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, megamoe_config, validate_megamoe
+from .config import (
+    MegaMoEConfigError,
+    MegaMoETransformerConfig,
+    cuda_graphs_enabled,
+    max_tokens_per_rank,
+    megamoe_config,
+    validate_megamoe,
+)
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
@@ -31,6 +38,7 @@ __all__ = [
     "MegaMoEMoELayer",
     "MegaMoETransformerConfig",
     "cpu_compat",
+    "cuda_graphs_enabled",
     "get_expert_load",
     "get_peer_wait_ns",
     "get_megamoe_gpt_decoder_block_spec",

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megamoe_train import MegaMoEConfig
-from megamoe_train.backends import NAMES as _BACKEND_NAMES
+from megamoe_train.backends import NAMES as _BACKEND_NAMES, gpu_executor_supports
 from megamoe_train.precision import RECIPES as _RECIPES
 
 RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4"
@@ -46,7 +46,9 @@ class MegaMoETransformerConfig(TransformerConfig):
       its first training call (megamoe_train.graphs): the host issues two graph launches instead
       of ~100 kernels and ops per call. Needs CUDA, the stacked expert parameters (the default
       MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer and
-      no pipeline parallelism (one forward in flight per layer).
+      no pipeline parallelism (one forward in flight per layer), and the GPU executor (a call
+      that resolves to the reference cannot be captured: True then raises at the first call).
+      None: on wherever all of that holds (`cuda_graphs_enabled`), off elsewhere.
     moe_megamoe_fuse_wgrad_accumulation: the expert weight gradients go straight into the stacked
       parameters' `main_grad` (Megatron DDP's accumulator), added in the wgrad GEMM's epilogue on
       the GPU backend, and `grad_added_to_main_grad` tells DDP's hook to skip its own add (the
@@ -59,7 +61,7 @@ class MegaMoETransformerConfig(TransformerConfig):
     moe_megamoe_recipe: Optional[str] = None
     moe_megamoe_backend: str = "auto"
     moe_megamoe_max_tokens_per_rank: Optional[int] = None
-    moe_megamoe_cuda_graph: bool = False
+    moe_megamoe_cuda_graph: Optional[bool] = False
     moe_megamoe_fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self):
@@ -181,6 +183,20 @@ _SHAPE_SETTINGS = {
     "recipe": "moe_megamoe_recipe",
     "dtype": "params_dtype",
 }
+
+
+def cuda_graphs_enabled(config, mm_config: MegaMoEConfig, device: torch.device) -> bool:
+    """Whether a MegaMoE layer of this config replays its calls of `mm_config` on `device` from
+    CUDA graphs: moe_megamoe_cuda_graph as set (on CUDA), or where it is None, wherever that can
+    work: the GPU executor runs the call, no pipeline parallelism, no activation recompute."""
+    setting = _get(config, "moe_megamoe_cuda_graph")
+    if device.type != "cuda":
+        return False
+    if setting is not None:
+        return bool(setting)
+    if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1 or _get(config, "recompute_granularity") is not None:
+        return False
+    return _get(config, "moe_megamoe_backend", "auto") in ("auto", "triton") and gpu_executor_supports(mm_config, device)
 
 
 def megamoe_config(config, *, num_max_tokens_per_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16) -> MegaMoEConfig:

@@ -28,7 +28,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe, register_layer
 from megamoe_train.graphs import GraphedMegaMoE
 
-from .config import MegaMoEConfigError, megamoe_config, megamoe_enabled, validate_megamoe
+from .config import MegaMoEConfigError, cuda_graphs_enabled, megamoe_config, megamoe_enabled, validate_megamoe
 from .experts import MegaMoEExperts, native_expert_weights
 from .routing import argsort_slots, routing_map_slots
 
@@ -70,6 +70,7 @@ class MegaMoECall:
         self._mm_configs: dict[torch.dtype, MegaMoEConfig] = {}
         self.layer_id = register_layer(ep_group)  # layers of equal shape share a buffer; this tells them apart
         self.graphed: GraphedMegaMoE | None = None  # moe_megamoe_cuda_graph: built at the first CUDA call
+        self._graphs: dict[MegaMoEConfig, bool] = {}  # cuda_graphs_enabled per call config
         self.buffer = None  # the symmetric buffer of the latest call (get_peer_wait_ns reads its counter)
 
     def _agree_max_tokens(self, tokens: int, device: torch.device) -> int:
@@ -104,7 +105,10 @@ class MegaMoECall:
         # set); the megakernel backend's per-forward stack has no accumulator of its own.
         fuse = (getattr(self.config, "moe_megamoe_fuse_wgrad_accumulation", False) and isinstance(self.experts, MegaMoEExperts)
                 and hasattr(w1, "main_grad") and hasattr(w2, "main_grad"))
-        if getattr(self.config, "moe_megamoe_cuda_graph", False) and x.is_cuda and isinstance(self.experts, MegaMoEExperts):
+        graphs = self._graphs.get(cfg)
+        if graphs is None:  # asked once per config (the auto mode reads the device)
+            graphs = self._graphs[cfg] = cuda_graphs_enabled(self.config, cfg, x.device)
+        if graphs and isinstance(self.experts, MegaMoEExperts):
             if self.graphed is None or self.graphed.buffer is not buffer:
                 self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
                                               layer_id=self.layer_id, fuse_wgrad_accumulation=fuse, **shared)

@@ -158,3 +158,19 @@ def graphed_fused_accumulation(rank, world, recipe):
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_graphed_fused_wgrad_accumulation_matches_eager(rank_pools, world, recipe):
     rank_pools(world, "nccl").run(graphed_fused_accumulation, recipe)
+
+
+def graphs_refuse_the_reference(rank, world):
+    """A call that resolves to the reference executor cannot be captured: GraphedMegaMoE says so
+    when built (naming the executor), before any call."""
+    cfg = MegaMoEConfig(**dict(TRITON_BASE, recipe="bf16"))
+    buf = get_symm_buffer(None, cfg, timeout_s=20)
+    w1 = torch.randn(cfg.num_experts // world, 2 * cfg.intermediate, cfg.hidden, device=buf.device, dtype=torch.bfloat16)
+    w2 = torch.randn(cfg.num_experts // world, cfg.hidden, cfg.intermediate, device=buf.device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="need the GPU executor; backend 'reference' runs 'reference'"):
+        GraphedMegaMoE(buf, w1, w2, backend="reference")
+    GraphedMegaMoE(buf, w1, w2, backend="auto")  # the GPU executor: accepted
+
+
+def test_graphs_refuse_the_reference_executor(rank_pools):
+    rank_pools(1, "nccl").run(graphs_refuse_the_reference)

@@ -38,13 +38,18 @@ def _triton_backend() -> Backend:
 
 
 def triton_supported(buffer) -> bool:
-    if buffer.device.type != "cuda":
+    return gpu_executor_supports(buffer.config, buffer.device)
+
+
+def gpu_executor_supports(config, device) -> bool:
+    """Whether backend 'auto' runs the Triton GPU executor for calls of `config` on `device`."""
+    if device.type != "cuda":
         return False
     try:
-        from .triton_backend import supports
+        from .triton_backend import supports_config
     except ImportError:  # no triton installed
         return False
-    return supports(buffer)
+    return supports_config(config, device)
 
 
 def resolve_backend(name: str, buffer) -> Backend:

@@ -57,12 +57,16 @@ _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 
 
 def supports(buf: SymmBuffer) -> bool:
-    cfg = buf.config
-    if buf.device.type != "cuda" or cfg.recipe not in GPU_EXECUTOR_RECIPES or cfg.dtype != torch.bfloat16:
+    return supports_config(buf.config, buf.device)
+
+
+def supports_config(cfg, device: torch.device) -> bool:
+    """Whether this executor runs calls of this MegaMoEConfig on this device."""
+    if device.type != "cuda" or cfg.recipe not in GPU_EXECUTOR_RECIPES or cfg.dtype != torch.bfloat16:
         return False
     if cfg.intermediate % 128 or cfg.hidden % 128 or cfg.block_m not in (64, 128):
         return False
-    return torch.cuda.get_device_capability(buf.device) >= (9, 0)
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 @dataclass

@@ -162,7 +162,8 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
     router = [n for n in g1 if n.endswith("router.weight")]
     assert router and all(g1[n].abs().max() > 0 for n in router)
     mega_layers = [m for m in mega.modules() if isinstance(m, MegaMoEMoELayer)]
-    return {"loss": (l1, l2), "worst": (worst, errs[worst]), "n_grads": len(g1), "stats": [m.expert_recv_stats.tolist() for m in mega_layers]}
+    return {"loss": (l1, l2), "worst": (worst, errs[worst]), "n_grads": len(g1), "stats": [m.expert_recv_stats.tolist() for m in mega_layers],
+            "graphed": [m.megamoe.graphed is not None for m in mega_layers]}
 
 
 def expert_load(rank, world, overrides=None):

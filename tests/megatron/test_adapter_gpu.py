@@ -25,6 +25,17 @@ def test_equivalence_bf16_gpu(mcore_pool):
     mcore_pool("nccl").run(cases.equivalence, dict(moe_shared_expert_intermediate_size=96), bf16=True, tol=3e-2)
 
 
+def test_cuda_graphs_auto_gpu(mcore_pool):
+    """moe_megamoe_cuda_graph=None (the trainer's default): layers the GPU executor runs (bf16,
+    H = I = 128) replay from CUDA graphs and match stock; layers it does not run (H = 64: the
+    reference executor, as on a GPU older than sm90) stay eager and match stock too."""
+    wide = dict(moe_megamoe_cuda_graph=None, hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128)
+    results = mcore_pool("nccl").run(cases.equivalence, wide, bf16=True, tol=3e-2)
+    assert all(all(r["graphed"]) for r in results), results
+    results = mcore_pool("nccl").run(cases.equivalence, dict(moe_megamoe_cuda_graph=None), tol=1e-4)
+    assert not any(any(r["graphed"]) for r in results), results
+
+
 def test_checkpoint_roundtrip_gpu(mcore_pool, tmp_path):
     mcore_pool("nccl").run(cases.checkpoint_roundtrip, str(tmp_path), dict(moe_shared_expert_intermediate_size=96))
 

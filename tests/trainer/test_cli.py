@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -45,20 +46,31 @@ def test_every_recipe_validates(path):
     assert recipe.moe.megamoe_recipe in ("bf16", "fp8", "mxfp8_mxfp4")
 
 
-@pytest.mark.parametrize("overrides, graphed", [
-    ([], True),  # a GPU recipe as it is: bf16 on the GPU executor
-    (["moe.megamoe_recipe=fp8"], True),
-    (["parallel.device=cpu"], False),
-    (["moe.megamoe_backend=reference"], False),
-    (["moe.megamoe_recipe=mxfp8_mxfp4"], False),  # runs the reference on a GPU
-    (["moe.megamoe_recipe=null"], False),  # stock Megatron MoE
-    (["moe.megamoe_cuda_graph=false"], False),
-    (["moe.megamoe_cuda_graph=true", "moe.megamoe_backend=reference"], True),  # as set
+@pytest.mark.parametrize("overrides, on_gpu_executor, graphed", [
+    ([], True, True),  # a GPU recipe as it is, where the GPU executor runs it
+    ([], False, False),  # ... where it does not (no sm90, or a recipe it does not run): no graphs
+    (["moe.megamoe_recipe=fp8"], True, True),
+    (["moe.megamoe_backend=reference"], True, False),
+    (["moe.megamoe_cuda_graph=false"], True, False),
+    (["moe.megamoe_cuda_graph=true"], False, True),  # as set (GraphedMegaMoE then names the executor)
 ])
-def test_moe_cuda_graph_default_follows_the_executor(overrides, graphed):
-    """moe.megamoe_cuda_graph unset: on wherever the MoE layers run the GPU executor."""
+def test_moe_cuda_graph_default_follows_the_executor(monkeypatch, overrides, on_gpu_executor, graphed):
+    """moe.megamoe_cuda_graph unset reaches the adapter as None: graphs wherever the GPU executor
+    runs the call (megatron_patch.cuda_graphs_enabled), never on CPU."""
+    import megatron_patch.config as adapter_config
+    from megamoe_trainer.model import transformer_config
+    from megatron_patch import cuda_graphs_enabled, megamoe_config
+
     recipe = load_recipe(os.path.join(ROOT, "recipes", "deepseek_v3_proxy_2gpu_bf16.yaml"), overrides, deep=False)
-    assert recipe.megamoe_cuda_graph is graphed
+    cfg = transformer_config(recipe)
+    assert cfg.moe_megamoe_cuda_graph is recipe.moe.megamoe_cuda_graph
+    monkeypatch.setattr(adapter_config, "gpu_executor_supports", lambda mm, device: on_gpu_executor)
+    mm = megamoe_config(cfg)
+    assert cuda_graphs_enabled(cfg, mm, torch.device("cuda", 0)) is graphed
+    assert cuda_graphs_enabled(cfg, mm, torch.device("cpu")) is False
+    cfg.recompute_granularity = "full"  # auto never graphs a recomputed layer (explicit True is refused)
+    if recipe.moe.megamoe_cuda_graph is None:
+        assert cuda_graphs_enabled(cfg, mm, torch.device("cuda", 0)) is False
 
 
 def _write(tmp_path, text, name="bad.yaml"):
