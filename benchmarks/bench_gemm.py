@@ -2,7 +2,7 @@
 variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
 with the measured peaks.
 
-  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad,wgrad_acc] [--routed]
+  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad,wgrad_acc,dense_acc] [--routed]
 
 Per layer shape (bench_layer.SHAPES, plus "proxy", the DeepSeek-V3 training proxy) the rank's
 pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 rows; with --routed
@@ -20,6 +20,11 @@ layer, where an expert's last 128-row tile is mostly partial.
   (cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, every variant) vs torch._grouped_mm bf16 then
   main_grad.add_ (what DDP's hook does without the fusion). Floors: FLOPs at the bf16 peak, and the
   accumulator's fp32 read + write (8 bytes per element) at the measured write rate.
+- dense_acc (not in the default list): the DeepSeek-V3 proxy's dense weight gradients (attention
+  QKV and projection, the dense layer's MLP, the output layer; one micro-batch of 8192 tokens)
+  added into fp32 main_grad, one group: what megatron_patch.dense_wgrad runs for Megatron's
+  gradient_accumulation_fusion, every variant, vs torch bf16 mm then add_ (Megatron's unfused wgrad
+  and DDP's add).
 Peaks: torch.mm bf16 and torch._scaled_mm fp8 (row-wise scales) at 8192^3, and the HBM write rate
 (zero_ of 4 GiB), same run.
 """
@@ -191,6 +196,13 @@ def wgrad_shapes(shapes: str, ep: int):
             yield shape, name, groups, rows, m, n
 
 
+# the DeepSeek-V3 proxy's dense linear layers (recipes/deepseek_v3_proxy_2gpu_*.yaml: H 2048, 16
+# heads, dense FFN 8192, vocab 32768): (name, out features, in features); one micro-batch's tokens
+DENSE_PROXY = (("attention QKV", 3 * 2048, 2048), ("attention proj", 2048, 2048), ("dense fc1", 2 * 8192, 2048),
+               ("dense fc2", 2048, 8192), ("output layer", 32768, 2048))
+DENSE_TOKENS = 8192
+
+
 def wgrad_acc_case(groups, rows_per_group, m, n, dev):
     """main_grad[g] += A[rows of g]^T @ B[rows of g]: fused (every variant) vs torch + add_."""
     p = groups * rows_per_group
@@ -231,7 +243,8 @@ def main():
                    help="fwd: expert groups sized as the layer's pool under uniform routing (padded to 16 rows; "
                         "TFLOP/s count the routed rows) instead of exactly the mean, rounded up to 128")
     p.add_argument("--gemms", default="fwd,wgrad,wgrad_acc",
-                   help="fwd (forward and dgrad GEMMs), wgrad (weight gradients), wgrad_acc (accumulated into fp32)")
+                   help="fwd (forward and dgrad GEMMs), wgrad (weight gradients), wgrad_acc (accumulated into fp32), "
+                        "dense_acc (the proxy's dense wgrads accumulated into fp32)")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     bf16_peak, fp8_peak, write_gbs = peaks(dev)
@@ -291,6 +304,19 @@ def main():
                   f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
                   f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
             details.append(_detail(f"{shape} {name} acc", times, errors))
+            torch.cuda.empty_cache()
+    if "dense_acc" in gemms:
+        print("\n| layer | dense wgrad into fp32 main_grad | out x in, tokens | CUTLASS fused ms (TF/s) best | torch bf16 + add_ ms | "
+              "speedup | bf16 FLOPs floor ms |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        for name, out_f, in_f in DENSE_PROXY:
+            times, errors = wgrad_acc_case(1, DENSE_TOKENS, out_f, in_f, dev)
+            flops = 2.0 * DENSE_TOKENS * out_f * in_f
+            tf = lambda ms: flops / ms / 1e9  # noqa: E731
+            print(f"| proxy | {name} | {out_f} x {in_f}, {DENSE_TOKENS} | {best(times, 'cutlass_acc', tf)} | "
+                  f"{times['torch_bf16+add']:.3f} | {_speedup(times, 'cutlass_acc', 'torch_bf16+add')} | "
+                  f"{flops / bf16_peak / 1e9:.3f} |", flush=True)
+            details.append(_detail(f"proxy dense {name}", times, errors))
             torch.cuda.empty_cache()
     print("\n# every configuration (ms, relative error against the float product of the same operands)")
     print("\n".join(details))

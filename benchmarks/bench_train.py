@@ -64,6 +64,9 @@ VARIANTS = {
     "bf16-manual-gc-pinned": ("bf16", ["train.manual_gc=true", "parallel.pin_cpus=true"]),
     "bf16-router-kernel": ("bf16", ["moe.fused_router_topk=true"]),
     "bf16-router-torch": ("bf16", ["moe.fused_router_topk=false"]),
+    # the dense layers' wgrads into main_grad by their GEMM (megatron_patch.dense_wgrad)
+    "bf16-dense-fusion": ("bf16", ["train.dense_wgrad_fusion=true"]),
+    "fp8-dense-fusion": ("fp8", ["train.dense_wgrad_fusion=true"]),
 }
 
 

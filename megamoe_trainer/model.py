@@ -61,6 +61,7 @@ def transformer_config(recipe, on_gpu: bool = False):
         moe_z_loss_coeff=moe.z_loss_coeff,
         moe_router_dtype="fp32",
         cross_entropy_loss_fusion=m.fused_cross_entropy and on_gpu,
+        gradient_accumulation_fusion=recipe.train.dense_wgrad_fusion,  # megatron_patch.dense_wgrad
         cross_entropy_fusion_impl="native",  # megatron's own (torch.compile'd); "te" needs Transformer Engine
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,
@@ -83,6 +84,10 @@ def build_model(recipe, device: str):
     spec = layer_spec(recipe, cfg)
     if device == "cuda" and recipe.model.fused_rope:
         use_compiled_rope()
+    if recipe.train.dense_wgrad_fusion:  # before the layers are built: they check for the extension
+        from megatron_patch import use_dense_wgrad_fusion
+
+        use_dense_wgrad_fusion()
     if device == "cuda" and recipe.moe.fused_router_topk:
         from megatron_patch import use_fused_router_topk
 

@@ -132,6 +132,10 @@ class TrainSection:
     # fp32), whose operands are bf16 values, exact in TF32; fp32 accumulation either way
     tf32_matmul: bool = True
     overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
+    # the dense linear layers' wgrads added into DDP's main_grad by their GEMM (Megatron's
+    # gradient_accumulation_fusion, megatron_patch.dense_wgrad): no bf16 wgrad and no separate add.
+    # Off until measured on a GPU (NOTES.md, session 24)
+    dense_wgrad_fusion: bool = False
     # Python's garbage collector (megamoe_trainer/host_gc.py): true = freeze the heap after the
     # model is built, no automatic collections, collect every gc_every steps on every rank at once
     # (0 = never during the run). Off by default: the automatic collector measured 0.0-0.3 ms/step

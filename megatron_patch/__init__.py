@@ -21,6 +21,7 @@ from .config import (
     megamoe_config,
     validate_megamoe,
 )
+from .dense_wgrad import use_dense_wgrad_fusion
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
@@ -50,6 +51,7 @@ __all__ = [
     "megamoe_config",
     "register_megakernel_backend",
     "routing_to_topk",
+    "use_dense_wgrad_fusion",
     "use_fused_router_topk",
     "validate_megamoe",
 ]
