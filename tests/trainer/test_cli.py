@@ -259,15 +259,21 @@ def test_dense_wgrad_fusion_matches_ddp_accumulation(tmp_path):
     """train.dense_wgrad_fusion (Megatron's gradient_accumulation_fusion through
     megatron_patch.dense_wgrad): on CPU its fallback adds the bf16 wgrad into main_grad itself and
     DDP's hook skips its add, so the steps are the unfused run's bit for bit, over 2 micro-batches."""
+    runs = _fused_and_unfused(tmp_path, "train.dense_wgrad_fusion")
+    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
+
+
+def _fused_and_unfused(tmp_path, switch: str) -> dict:
+    """The tiny recipe's metrics over 3 steps of 2 micro-batches, with `switch` true and false."""
     runs = {}
     for name, fuse in (("fused", "true"), ("unfused", "false")):
         run = str(tmp_path / name)
         code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
                                    "--set", "train.micro_batch_size=2", "--set", "train.grad_accum_steps=2",
-                                   "--set", f"train.dense_wgrad_fusion={fuse}", "--set", "run.checkpoint=false"])
+                                   "--set", f"{switch}={fuse}", "--set", "run.checkpoint=false"])
         assert code == 0, out + err
         runs[name] = _metrics(run)
-    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
+    return runs
 
 
 def test_synthetic_corpus_is_deterministic():
@@ -323,14 +329,7 @@ def test_fused_wgrad_accumulation_matches_ddp_accumulation(tmp_path):
     """moe.megamoe_fuse_wgrad_accumulation (the default) adds the expert wgrads into DDP's main_grad
     in the backward and DDP's hook skips its own add: the steps match the unfused run (gradient
     norm and loss; a double or a missing add would change the norm), over two micro-batches."""
-    runs = {}
-    for name, fuse in (("fused", "true"), ("unfused", "false")):
-        run = str(tmp_path / name)
-        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
-                                   "--set", "train.micro_batch_size=2", "--set", "train.grad_accum_steps=2",
-                                   "--set", f"moe.megamoe_fuse_wgrad_accumulation={fuse}", "--set", "run.checkpoint=false"])
-        assert code == 0, out + err
-        runs[name] = _metrics(run)
+    runs = _fused_and_unfused(tmp_path, "moe.megamoe_fuse_wgrad_accumulation")
     for a, b in zip(runs["fused"], runs["unfused"]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
