@@ -49,7 +49,7 @@ def main():
 
     variants = {
         # torch: routing_to_topk's slots before the kernel (its CPU path)
-    "torch": (moe_utils.topk_routing_with_score_function, moe_utils.compute_routing_scores_for_aux_loss, argsort_slots),
+        "torch": (moe_utils.topk_routing_with_score_function, moe_utils.compute_routing_scores_for_aux_loss, argsort_slots),
         "fused": (fused_topk_routing(moe_utils.topk_routing_with_score_function),
                   fused_aux_loss_scores(moe_utils.compute_routing_scores_for_aux_loss), routing_map_slots),
     }

@@ -269,11 +269,11 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     # backward takes its loss over accum x DP, so DDP sums gradients unscaled (model.py; for a DP
     # that is a power of two the gradients are the bits of scaling after the backward).
     # Megatron's aux losses reach the router through the same scale.
-    grad_scale = 1.0 / (accum * dp_size)
-    if grad_scale != 1.0:
+    loss_scale = 1.0 / (accum * dp_size)
+    if loss_scale != 1.0:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(grad_scale, device=dev))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(loss_scale, device=dev))
     batch = fetch(consumed, 0) if start_step < last else None
     for step in range(start_step + 1, last + 1):
         host_start = time.perf_counter()
@@ -293,7 +293,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
                 per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [B, S]
                 mask = batch["loss_mask"]
                 micro_loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
-                (micro_loss * grad_scale).backward()
+                (micro_loss * loss_scale).backward()
             loss = loss + micro_loss.detach() / accum
             if micro < accum - 1:
                 batch = fetch(consumed, micro + 1)
@@ -349,7 +349,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
               f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {report.metrics.path} | plot {report.plot_path}", flush=True)
         if summary["peak_memory_gib"]:
             print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
-    if grad_scale != 1.0:  # no CUDA tensor left in a class attribute for interpreter exit to free
+    if loss_scale != 1.0:  # no CUDA tensor left in a class attribute for interpreter exit to free
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
     dist.barrier()
 

@@ -161,11 +161,9 @@ def validate_megamoe(config) -> None:
     if _get(config, "transformer_impl") == "inference_optimized":
         bad("transformer_impl", "'inference_optimized' is not supported")
     megamoe_config(config)  # the recipe's shape rules, under Megatron's names
-    if _get(config, "moe_megamoe_cuda_graph"):  # one forward in flight per layer (megamoe_train.graphs)
-        if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1:
-            bad("moe_megamoe_cuda_graph", "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)")
-        if _get(config, "recompute_granularity") is not None:
-            bad("moe_megamoe_cuda_graph", f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})")
+    conflict = _graph_conflict(config)
+    if _get(config, "moe_megamoe_cuda_graph") and conflict:
+        bad("moe_megamoe_cuda_graph", conflict)
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
         bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
 
@@ -185,6 +183,16 @@ _SHAPE_SETTINGS = {
 }
 
 
+def _graph_conflict(config) -> Optional[str]:
+    """Why a graphed MegaMoE layer cannot run under this config (it holds one forward in flight,
+    megamoe_train.graphs), or None."""
+    if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1:
+        return "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)"
+    if _get(config, "recompute_granularity") is not None:
+        return f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})"
+    return None
+
+
 def cuda_graphs_enabled(config, mm_config: MegaMoEConfig, device: torch.device) -> bool:
     """Whether a MegaMoE layer of this config replays its calls of `mm_config` on `device` from
     CUDA graphs: moe_megamoe_cuda_graph as set (on CUDA), or where it is None, wherever that can
@@ -194,7 +202,7 @@ def cuda_graphs_enabled(config, mm_config: MegaMoEConfig, device: torch.device) 
         return False
     if setting is not None:
         return bool(setting)
-    if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1 or _get(config, "recompute_granularity") is not None:
+    if _graph_conflict(config):
         return False
     return _get(config, "moe_megamoe_backend", "auto") in ("auto", "triton") and gpu_executor_supports(mm_config, device)
 

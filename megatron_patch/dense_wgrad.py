@@ -35,11 +35,10 @@ def _cutlass_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, ma
     from megamoe_train.backends import cutlass_gemm
 
     dev = main_grad.device
-    ok = (cutlass_gemm.available(dev) and total_input.dtype == grad_output.dtype == torch.bfloat16
-          and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
-          and total_input.is_contiguous() and grad_output.is_contiguous()
+    ok = (total_input.dtype == grad_output.dtype == torch.bfloat16 and main_grad.dtype == torch.float32
+          and main_grad.is_contiguous() and total_input.is_contiguous() and grad_output.is_contiguous()
           and main_grad.shape[0] % 8 == 0 and main_grad.shape[1] % 8 == 0
-          and all(t.data_ptr() % 16 == 0 for t in (total_input, grad_output, main_grad)))
+          and cutlass_gemm.takes(total_input, grad_output, main_grad))
     if not ok:
         return False
     rows = total_input.shape[0]

@@ -56,6 +56,11 @@ def available(device: torch.device) -> bool:
     return _is_sm90(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def takes(*tensors: torch.Tensor) -> bool:
+    """Our CUTLASS GEMMs are built for these tensors' GPU and each starts 16-byte aligned (TMA)."""
+    return available(tensors[0].device) and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 @functools.cache
 def _is_sm90(index: int) -> bool:  # asked before every GEMM: read the device once
     return torch.cuda.get_device_capability(index) == (9, 0)

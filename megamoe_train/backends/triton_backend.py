@@ -101,17 +101,12 @@ def _grouped_mm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def _cutlass_takes(*tensors) -> bool:
-    """Our CUTLASS GEMMs are built for these tensors' GPU and each starts 16-byte aligned (TMA)."""
-    return cutlass_gemm.available(tensors[0].device) and all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
 def _bf16_grouped_gemm(a, w, plan: Plan, transposed: bool):
     """out[rows of expert e] = a[rows] @ w[e]^T (transposed=False: w [E, N, K], the forward) or
     a[rows] @ w[e] (transposed=True: w [E, K, N], the dgrad), bf16 with fp32 accumulation: our
     CUTLASS kernel where built (it reads w in either layout by TMA, and beats torch's grouped GEMM
     where torch pairs an expert's M tiles: NOTES.md), else torch's."""
-    if a.is_contiguous() and w.is_contiguous() and _cutlass_takes(a, w):
+    if a.is_contiguous() and w.is_contiguous() and cutlass_gemm.takes(a, w):
         out = torch.empty(a.shape[0], w.shape[2] if transposed else w.shape[1], dtype=a.dtype, device=a.device)
         return cutlass_gemm.bf16_grouped_gemm(a, w, plan.expert_ends, out, "kn" if transposed else "nk")
     return _grouped_mm(a, w if transposed else w.transpose(1, 2), plan.expert_ends)
@@ -166,7 +161,7 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
     else:
         inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
         fusable = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
-                   and _cutlass_takes(grad, inputs, accumulator))
+                   and cutlass_gemm.takes(grad, inputs, accumulator))
         if fusable:
             local_experts = plan.expert_ends.shape[0]
             config = cutlass_gemm.bf16_wgrad_accumulate_config(cfg.num_max_tokens_per_rank * cfg.topk / local_experts)
@@ -181,7 +176,7 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None
 
 def _bf16_wgrad(grad, inputs, plan: Plan):
     """wgrad[e] = grad[rows of e]^T @ inputs[rows of e], bf16 [E, ., .] (fp32 accumulation)."""
-    if _BF16_WGRAD == "cutlass" and _cutlass_takes(grad, inputs):
+    if _BF16_WGRAD == "cutlass" and cutlass_gemm.takes(grad, inputs):
         E = plan.expert_ends.shape[0]
         out = torch.empty(E, grad.shape[1], inputs.shape[1], dtype=torch.bfloat16, device=grad.device)
         return cutlass_gemm.bf16_wgrad_grouped_gemm(grad, inputs, plan.expert_ends, out)
