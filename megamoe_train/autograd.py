@@ -7,7 +7,7 @@ import torch
 from .backends import Backend, resolve_backend
 from .symm_buffer import SymmBuffer
 from .validation import check_inputs
-from .weights import transform_weights
+from .weights import ExpertWeights, transform_weights
 
 
 class MegaMoEFunction(torch.autograd.Function):
@@ -15,8 +15,8 @@ class MegaMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats, layer_id,
-                fuse_wgrad_accumulation):
-        weights = transform_weights(w1, w2, buffer.config)
+                fuse_wgrad_accumulation, prepared_weights):
+        weights = prepared_weights if prepared_weights is not None else transform_weights(w1, w2, buffer.config)
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
         y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id)
         ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
@@ -51,6 +51,7 @@ class MegaMoEFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -77,6 +78,7 @@ def mega_moe(
     backend: str = "auto",
     layer_id: int = 0,
     fuse_wgrad_accumulation: bool = False,
+    prepared_weights: ExpertWeights | None = None,
 ) -> torch.Tensor:
     """Expert-parallel MoE over the group of `buffer`: dispatch by pull, two expert GEMMs with
     SwiGLU, combine by push.
@@ -94,6 +96,11 @@ def mega_moe(
     backward adds the expert weight gradients into it (in the wgrad GEMM's epilogue on the GPU
     backend) and sets `grad_added_to_main_grad = True` on the weight, whose .grad is then a
     placeholder that Megatron's gradient hook discards.
+
+    prepared_weights: w1 and w2 already in the kernel layout of the buffer's recipe
+    (`transform_weights` or `quantize_expert_weights` of them as they are now), for callers that
+    manage the preparation themselves (graphs.py keeps one static copy per layer). Without it the
+    call transforms w1 and w2 through the cache of `transform_weights`.
     """
     buffer.check_usable()  # first: after a device barrier's trap this names the rank and call, not a CUDA error
     be: Backend = resolve_backend(backend, buffer)
@@ -101,7 +108,20 @@ def mega_moe(
         buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device,
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
     )
+    if problem is None and prepared_weights is not None:
+        problem = _check_prepared(prepared_weights, w1, w2, buffer)
     if problem is not None:  # still take part in the status exchange so peers fail too
         be.forward(buffer, None, None, None, None, None, None, problem, layer_id)
     return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats, layer_id,
-                                 fuse_wgrad_accumulation)
+                                 fuse_wgrad_accumulation, prepared_weights)
+
+
+def _check_prepared(prepared, w1, w2, buffer: SymmBuffer) -> str | None:
+    if not isinstance(prepared, ExpertWeights):
+        return f"prepared_weights: expected ExpertWeights, got {type(prepared).__name__}"
+    if prepared.recipe != buffer.config.recipe:
+        return f"prepared_weights: prepared for recipe {prepared.recipe!r}, the buffer runs {buffer.config.recipe!r}"
+    if prepared.w1.shape[0] != w1.shape[0] or prepared.w2.shape[0] != w2.shape[0] or prepared.w1.device != w1.device:
+        return (f"prepared_weights: {prepared.w1.shape[0]} experts on {prepared.w1.device}, w1 has "
+                f"{w1.shape[0]} on {w1.device}")
+    return None

@@ -9,10 +9,14 @@ What makes it possible: the GPU executor never reads the device on the host (no 
 shapes independent of the routing), its barriers count on the device, and a captured call
 checks the ranks' status words on the device (protocol.py, "CUDA graphs" in docs/protocol.md).
 
-What is captured, per layer: the whole call, including the expert-weight preparation (fp8
-quantization), so every replay reads the weights as they are now (weights.transform_weights
-neither reads nor fills its cache while capturing). Inputs are copied into static tensors
-before a replay, the output is copied out; parameter gradients are the graph's static tensors.
+What is captured, per layer: the whole call, forward and backward. Inputs are copied into
+static tensors before a replay, the output is copied out; parameter gradients are the graph's
+static tensors. Recipes that quantize the expert weights (fp8) get a third graph, the weight
+preparation, into a static copy that the forward and backward graphs read: it is replayed
+before a forward replay only when the weights changed since the last one (weights.weight_state:
+an optimizer step, or clear_weight_cache() after writes through `.data`, the same rule as the
+eager cache). With gradient accumulation the weights are quantized once per optimizer step, not
+once per micro-batch (at the training proxy: 21 ms of quantization per 4-micro-batch step).
 
 Contract (checked where it can be):
 - every rank replays the graphed layers sharing a buffer in the same order (as for eager calls);
@@ -39,6 +43,7 @@ import torch
 from .autograd import mega_moe
 from .backends import resolve_backend
 from .symm_buffer import SymmBuffer
+from .weights import quantize_expert_weights, weight_state
 
 
 def _signature(*tensors: torch.Tensor) -> tuple:
@@ -75,14 +80,22 @@ class GraphedMegaMoE:
         self.warmup_calls = warmup_calls
         self._captured_signature = None
         self.replays = 0
+        self.weight_preparations = 0  # replays of the weight-preparation graph (quantized recipes)
+        self._prepared = self._prepared_state = None
 
     # ------------------------------------------------------------------ capture
 
-    def _call(self, x, topk_idx, topk_weights, recv_stats, weights=None):
+    def _call(self, x, topk_idx, topk_weights, recv_stats, weights=None, prepared=None):
         w1, w2, sw1, sw2 = weights or self.weights
         return mega_moe(x, topk_idx, topk_weights, w1, w2, self.buffer, shared_w1=sw1, shared_w2=sw2,
                         recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id,
-                        fuse_wgrad_accumulation=self.fuse)
+                        fuse_wgrad_accumulation=self.fuse, prepared_weights=prepared)
+
+    def _quantizes_weights(self) -> bool:
+        return self.buffer.config.precision.weight_format != "native"
+
+    def _prepare(self):
+        return quantize_expert_weights(self.leaves[0], self.leaves[1], self.buffer.config)
 
     def _main_grads(self) -> tuple:
         """Where the expert wgrads of a replay go (fused accumulation): the storages captured."""
@@ -114,18 +127,24 @@ class GraphedMegaMoE:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_calls):
-                y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves)
+                prepared = self._prepare() if self._quantizes_weights() else None  # (not cached on the leaves)
+                y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves, prepared)
                 torch.autograd.grad(y, inputs, self.grad_y.normal_(), allow_unused=True)
-            del y
+            del y, prepared
         torch.cuda.current_stream(dev).wait_stream(side)
         if self.fuse:  # captured (not run): the replays add into the parameters' main_grad
             for leaf, w in zip(self.leaves[:2], self.weights[:2]):
                 leaf.main_grad = w.main_grad
 
         self.pool = torch.cuda.graph_pool_handle()
+        self.prep_graph = None
+        if self._quantizes_weights():  # captured, not run: the first replay prepares them
+            self.prep_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.prep_graph, pool=self.pool):
+                self._prepared = self._prepare()
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_graph, pool=self.pool):
-            self.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves)
+            self.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves, self._prepared)
         with torch.cuda.graph(self.bwd_graph, pool=self.pool):
             self.grads = torch.autograd.grad(self.y, inputs, self.grad_y, allow_unused=True)
         self.recv_counts.zero_()  # the warm-up calls counted rows
@@ -142,6 +161,12 @@ class GraphedMegaMoE:
         elif (_signature(x, topk_idx, topk_weights) != self._captured_signature
               or self._main_grads() != self._captured_main_grads):
             return self._call(x, topk_idx, topk_weights, recv_stats)
+        if self.prep_graph is not None:
+            state = weight_state(self.weights[0], self.weights[1], self.buffer.config)
+            if state != self._prepared_state:
+                self.prep_graph.replay()
+                self._prepared_state = state
+                self.weight_preparations += 1
         self.replays += 1
         y = _Replay.apply(self, x, topk_weights, topk_idx, *self.params)
         if recv_stats is not None:

@@ -147,17 +147,25 @@ def _prep_kernels(device: torch.device, use_kernel: bool | None):
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+# Bumped by clear_weight_cache(): holders of prepared weights outside _CACHE (a graphed layer's
+# static copy) compare weight_state() and so see the clear too.
+_GENERATION = 0
+
+
 def clear_weight_cache() -> None:
     """Forget every cached transform, e.g. after writing weights through `.data`."""
+    global _GENERATION
+    _GENERATION += 1
     _CACHE.clear()
 
 
-def _cache_key(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> tuple:
+def weight_state(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> tuple:
+    """What a prepared copy of (w1, w2) depends on: equal states, equal transforms."""
     # _version counts in-place writes through the tensor or its views (optimizer steps,
     # no_grad add_); data_ptr catches `param.data = other`. Writes through `param.data.` do
     # not bump the version and are invisible here: call clear_weight_cache() after them.
     return (
-        w1._version, w2._version, w1.data_ptr(), w2.data_ptr(),
+        w1._version, w2._version, w1.data_ptr(), w2.data_ptr(), _GENERATION,
         config.recipe, config.dtype, config.intermediate, config.hidden,
     )
 
@@ -193,7 +201,7 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig)
         # A captured graph replays the transform itself, so every replay reads the weights as
         # they are then; nothing computed during capture may be handed to an eager call.
         return _transform(w1.detach(), w2.detach(), config)
-    key = _cache_key(w1, w2, config)
+    key = weight_state(w1, w2, config)
     hit = _CACHE.get(w1)
     if hit is not None and hit[0] == key and hit[1]() is w2:
         return hit[2]

@@ -1,7 +1,7 @@
 """GraphedMegaMoE (megamoe_train/graphs.py), marked `gpu`: a layer replayed from its captured
 forward and backward graphs gives the same bits as eager calls, step after step, while the
-inputs, the routing and the weights change between steps (the fp8 weight preparation is inside
-the graph, so a replay must read the updated weights); gradients accumulate correctly with and
+inputs, the routing and the weights change between steps (the fp8 weight preparation is its own
+graph, replayed once per change of the weights, so a replay must read the updated weights); gradients accumulate correctly with and
 without Megatron's main_grad; recv_stats count like eager calls; calls the graph does not cover
 (no grad, another shape) run eagerly."""
 
@@ -10,6 +10,7 @@ import torch
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
 from megamoe_train.graphs import GraphedMegaMoE
+from megamoe_train.weights import clear_weight_cache
 from test_gpu_triton import TRITON_BASE, WORLDS
 from test_mega_moe_dist import make_problem, rel_err
 
@@ -89,6 +90,19 @@ def graphed_steps(rank, world, recipe):
     short = graphed(x[:150].clone().requires_grad_(), idx[:150], tw[:150].clone().requires_grad_())
     assert torch.equal(short.detach(), eager(x[:150], idx[:150], tw[:150], None).detach())
     assert graphed.replays == 4 + 1 + 2 + 2
+    # fp8: prepared at the first replay and after each of the 4 updates, not per replay
+    assert graphed.weight_preparations == (5 if cfg.precision.weight_format != "native" else 0)
+
+    # Writes through .data keep the version: clear_weight_cache() reaches the graph's copy too.
+    w1.data.mul_(0.5)
+    clear_weight_cache()
+    xs = [fresh(x), fresh(x)]
+    ys = [graphed(xs[0], idx, fresh(tw)), eager(xs[1], idx, fresh(tw), None)]
+    assert torch.equal(ys[0].detach(), ys[1].detach())
+    for y in ys:
+        y.backward(gy)
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    assert graphed.weight_preparations == (6 if cfg.precision.weight_format != "native" else 0)
 
 
 @pytest.mark.parametrize("world", WORLDS)

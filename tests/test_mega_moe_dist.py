@@ -7,11 +7,13 @@ dense_moe.py computed on the whole problem.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dense_moe import dense_moe, dense_moe_ranks
-from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, transform_weights
 
 TIMEOUT_S = 20  # device-side waits (monitored barriers) of the test buffers
 
@@ -238,7 +240,7 @@ def bad_input_then_good(rank, world, case):
     buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
     x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
     bad_rank = world - 1
-    args = dict(x=x, idx=idx, tw=tw, w1=w1, w2=w2)
+    args = dict(x=x, idx=idx, tw=tw, w1=w1, w2=w2, prepared=None)
     if rank == bad_rank:
         if case == "id_too_large":
             args["idx"] = idx.clone().index_fill_(0, torch.tensor([3]), cfg.num_experts)
@@ -256,13 +258,19 @@ def bad_input_then_good(rank, world, case):
             args["w1"] = w1[:, :, :-1]
         elif case == "wrong_device":
             args["x"] = x.to("meta")
+        elif case == "prepared_other_recipe":
+            args["prepared"] = dataclasses.replace(transform_weights(w1, w2, cfg), recipe="fp8")
+        elif case == "prepared_other_experts":
+            args["prepared"] = transform_weights(w1[:-1], w2[:-1], cfg)
     with pytest.raises(MegaMoEInputError) as err:
-        mega_moe(args["x"], args["idx"], args["tw"], args["w1"], args["w2"], buf)
+        mega_moe(args["x"], args["idx"], args["tw"], args["w1"], args["w2"], buf, prepared_weights=args["prepared"])
     message = str(err.value)
     if rank == bad_rank:
         expected = {"id_too_large": "topk_idx", "id_negative": "topk_idx", "too_many_tokens": "num_max_tokens_per_rank",
                     "wrong_dtype": "x: expected dtype", "wrong_idx_dtype": "topk_idx: expected dtype",
-                    "wrong_shape": "w1: expected shape", "wrong_device": "x: expected device"}[case]
+                    "wrong_shape": "w1: expected shape", "wrong_device": "x: expected device",
+                    "prepared_other_recipe": "prepared for recipe 'fp8'",
+                    "prepared_other_experts": f"prepared_weights: {E_l - 1} experts"}[case]
         assert expected in message, message
     else:
         assert f"rank(s) [{bad_rank}] rejected" in message, message
@@ -270,10 +278,13 @@ def bad_input_then_good(rank, world, case):
     y = mega_moe(x, idx, tw, w1, w2, buf)
     y_ref = dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)
     assert rel_err(y, y_ref) < 1e-5
+    # Weights prepared by the caller: the same call
+    assert torch.equal(mega_moe(x, idx, tw, w1, w2, buf, prepared_weights=transform_weights(w1, w2, cfg)), y)
 
 
 @pytest.mark.parametrize(
-    "case", ["id_too_large", "id_negative", "too_many_tokens", "wrong_dtype", "wrong_idx_dtype", "wrong_shape", "wrong_device"]
+    "case", ["id_too_large", "id_negative", "too_many_tokens", "wrong_dtype", "wrong_idx_dtype", "wrong_shape", "wrong_device",
+             "prepared_other_recipe", "prepared_other_experts"]
 )
 def test_bad_input_fails_everywhere_and_buffer_survives(rank_pools, case):
     rank_pools(2).run(bad_input_then_good, case)
