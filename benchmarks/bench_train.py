@@ -67,6 +67,9 @@ VARIANTS = {
     # the dense layers' wgrads into main_grad by their GEMM (megatron_patch.dense_wgrad)
     "bf16-dense-fusion": ("bf16", ["train.dense_wgrad_fusion=true"]),
     "fp8-dense-fusion": ("fp8", ["train.dense_wgrad_fusion=true"]),
+    # DDP all-reduces the data-parallel gradient buckets during the last micro-batch's backward
+    "bf16-overlap-grad": ("bf16", ["train.overlap_grad_reduce=true"]),
+    "fp8-overlap-grad": ("fp8", ["train.overlap_grad_reduce=true"]),
 }
 
 
