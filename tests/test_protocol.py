@@ -51,7 +51,7 @@ def row_traffic(rank, world, routing):
     x = prob["x"][rank].clone().requires_grad_()
     w1, w2 = prob["w1"][mine].clone().requires_grad_(), prob["w2"][mine].clone().requires_grad_()
     y = MegaMoEFunction.apply(x, prob["idx"][rank], prob["w"][rank], w1, w2, prob["sw1"], prob["sw2"], buf, backend, None, 0,
-                              False)
+                              False, None)
     expected = pairs_per_source(prob["idx"], rank, E_l)
     assert executor.reads["x"] == expected  # one row per (token, this owner), from each source
     assert executor.reads["topk_weights"] == expected
