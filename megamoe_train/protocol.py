@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
-from .expert_math import shared_backward, shared_forward
 from .faults import STATUS_BAD, STATUS_OK, describe_word
 from .plan import Plan
 from .symm_buffer import NUM_WAIT_SITES, SymmBuffer
@@ -227,7 +226,7 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
     shared_pre_act = None
     if shared is not None:
         def shared_row(x_, w1_, w2_):
-            out, h = shared_forward(x_, w1_, w2_, cfg.activation_clamp, executor.shared_dtype(cfg))
+            out, h = executor.shared_forward(x_, w1_, w2_, cfg.activation_clamp)
             buf.regions().partials[R, :T].copy_(out)
             return (h,)
 
@@ -274,7 +273,7 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
     grad_shared = (None, None)
     if shared is not None:
         def shared_grads(x_, w1_, w2_, h_, gy_):
-            dx, dw1, dw2 = shared_backward(x_, w1_, w2_, h_, cfg.activation_clamp, gy_, executor.shared_dtype(cfg))
+            dx, dw1, dw2 = executor.shared_backward(x_, w1_, w2_, h_, cfg.activation_clamp, gy_)
             buf.regions().partials[R, :T].copy_(dx)
             return dw1, dw2
 

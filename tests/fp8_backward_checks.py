@@ -24,7 +24,7 @@ from megamoe_train.backends import triton_kernels as K_
 from megamoe_train.backends.reference import PoolInputs as RefPoolInputs
 from megamoe_train.backends.reference import ReferenceExecutor
 from megamoe_train.backends.triton_backend import PoolGrad, PoolInputs, TritonExecutor
-from megamoe_train.expert_math import swiglu, swiglu_backward
+from megamoe_train.expert_math import shared_backward, shared_forward, swiglu, swiglu_backward
 from megamoe_train.plan import build_plan
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import dequantize_act, dequantize_grad, quantize_act, quantize_grad, quantize_tokens_t
@@ -177,6 +177,31 @@ def check_swiglu_forward_quantized(device):
     assert torch.allclose(act_s[:live], ref_s, rtol=4e-6, atol=0), "forward act scales"
     same = act[:live].float() == ref_q.float()
     assert same.float().mean() > 0.99, f"forward act e4m3: {1 - same.float().mean():.2%} of codes differ"
+
+
+def check_shared_experts(device):
+    """The GPU executor's shared experts (the routed SwiGLU kernels with one chunk of the whole
+    width and row weight 1) against expert_math's torch path in the same compute dtype, with and
+    without the clamp; no tokens falls back to the torch path."""
+    T, H, width = 40, 128, 256
+    g = torch.Generator().manual_seed(6)
+    bf = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+    x, w1, w2, gy = bf(T, H), bf(2 * width, H, scale=H**-0.5), bf(H, width, scale=width**-0.5), bf(T, H)
+    on = lambda *ts: [t.to(device) for t in ts]
+    rel = lambda a, b: ((a.cpu().float() - b.float()).norm() / b.float().norm()).item()
+    ex = TritonExecutor()
+    for clamp in (None, 0.75):
+        out, h = ex.shared_forward(*on(x, w1, w2), clamp)
+        ref_out, ref_h = shared_forward(x, w1, w2, clamp, torch.bfloat16)
+        assert torch.equal(h.cpu(), ref_h), "shared pre-activation"
+        assert rel(out, ref_out) < 1e-2, ("shared out", clamp, rel(out, ref_out))
+        got = ex.shared_backward(*on(x, w1, w2, h.cpu(), ), clamp, gy.to(device))
+        want = shared_backward(x, w1, w2, ref_h, clamp, gy, torch.bfloat16)
+        for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert rel(a, b) < 1e-2, ("shared", name, clamp, rel(a, b))
+    empty = ex.shared_forward(*on(x[:0], w1, w2), None)
+    assert empty[0].shape == (0, H) and empty[1].shape == (0, 2 * width)
 
 
 def check_executor_backward_against_reference(device, recipe: str = "fp8"):
@@ -346,6 +371,7 @@ def run_all(device) -> dict:
     for clamp in (None, 0.75):
         check_swiglu_backward_quantized(device, clamp)
     check_swiglu_forward_quantized(device)
+    check_shared_experts(device)
     return {recipe: check_executor_backward_against_reference(device, recipe) for recipe in ("fp8", "fp8_e4m3_wgrad")}
 
 

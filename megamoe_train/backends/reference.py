@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..expert_math import store_act, swiglu, swiglu_backward
+from ..expert_math import shared_backward, shared_forward, store_act, swiglu, swiglu_backward
 from ..faults import STATUS_BAD, STATUS_OK
 from ..plan import Plan, build_plan, owner_mask
 from ..quant import dequantize_act, fake_quantize_grad, fake_quantize_tokens
@@ -82,8 +82,15 @@ class ReferenceExecutor:
     def row_align(self, cfg) -> int:
         return 1
 
-    def shared_dtype(self, cfg) -> torch.dtype:
-        return torch.float32
+    # --------------------------------------------------------------------- shared experts
+
+    def shared_forward(self, x, w1, w2, clamp):
+        """The shared experts' MLP in float32, the oracle's precision: (out, pre-activation)."""
+        return shared_forward(x, w1, w2, clamp, torch.float32)
+
+    def shared_backward(self, x, w1, w2, h, clamp, grad_out):
+        """(dx, dw1, dw2) of shared_forward."""
+        return shared_backward(x, w1, w2, h, clamp, grad_out, torch.float32)
 
     # --------------------------------------------------------------------- plan and row movement
 

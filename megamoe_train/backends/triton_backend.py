@@ -27,7 +27,7 @@ Nothing reads the device from the host, so forward and backward are capturable i
 Numerics match the reference executor up to rounding: pre-activations, grad_act and the wgrads'
 operands are kept in bf16 instead of fp32 (dH is quantized from fp32, as in the reference),
 GEMMs accumulate in fp32, and the shared experts use bf16 GEMMs (fp32 accumulation, SwiGLU in
-fp32) where the reference uses fp32.
+fp32, by the routed experts' SwiGLU kernels) where the reference uses fp32.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..expert_math import shared_backward, shared_forward
 from ..faults import STATUS_BAD, STATUS_OK
 from ..plan import Plan
 from ..precision import GPU_EXECUTOR_RECIPES
@@ -192,6 +193,15 @@ def _as_compute(data, scales, num_rows, dtype):
     return out
 
 
+def _swiglu_kernel_takes(x, width: int) -> bool:
+    return x.shape[0] > 0 and width % 128 == 0 and x.is_contiguous()
+
+
+def _all_rows(T: int, device):
+    """Row weights 1 and the live-row count T, as the SwiGLU kernels read them (no host sync)."""
+    return torch.ones(T, dtype=torch.float32, device=device), torch.full((1,), T, dtype=torch.int32, device=device)
+
+
 class TritonExecutor:
     name = "triton"
     reads_device_on_host = False  # no host sync: verdicts are deferred, the call is capturable
@@ -209,8 +219,40 @@ class TritonExecutor:
             return cfg.block_m
         return GROUP_ALIGN
 
-    def shared_dtype(self, cfg) -> torch.dtype:
-        return cfg.dtype
+    # --------------------------------------------------------------------- shared experts
+
+    def shared_forward(self, x, w1, w2, clamp):
+        """The shared experts' MLP: bf16 GEMMs (fp32 accumulation) around the routed experts'
+        SwiGLU kernel (fp32 math, one pass). The plain torch SwiGLU (expert_math) makes about
+        ten fp32 passes over [T, 2I]: ~4.5 ms of casts and multiplies per DeepSeek-V3-proxy
+        step (NOTES.md, session 25). Returns (out, pre-activation), as expert_math.shared_forward."""
+        width, dt = w2.shape[1], x.dtype
+        h = x @ w1.to(dt).t()
+        if not _swiglu_kernel_takes(x, width):
+            return shared_forward(x, w1, w2, clamp, dt)
+        return self._shared_act(h, width, clamp) @ w2.to(dt).t(), h
+
+    def shared_backward(self, x, w1, w2, h, clamp, grad_out):
+        """(dx, dw1, dw2) of shared_forward, the SwiGLU backward by the routed experts' kernel."""
+        width, dt = w2.shape[1], x.dtype
+        if not _swiglu_kernel_takes(x, width):
+            return shared_backward(x, w1, w2, h, clamp, grad_out, dt)
+        T = x.shape[0]
+        grad_out = grad_out.to(dt)
+        grad_act = grad_out @ w2.to(dt)
+        grad_h = torch.empty(T, 2 * width, dtype=dt, device=x.device)
+        unused_row_grad = torch.empty(T, dtype=torch.float32, device=x.device)
+        ones, num_rows = _all_rows(T, x.device)
+        K_.swiglu_backward(h, ones, grad_act, grad_h, unused_row_grad, num_rows, width, clamp)
+        return grad_h @ w1.to(dt), grad_h.t() @ x, grad_out.t() @ self._shared_act(h, width, clamp)
+
+    @staticmethod
+    def _shared_act(h, width, clamp):
+        # [gate | up] is the interleave with one chunk of the whole width; row weight 1 is exact
+        act = torch.empty(h.shape[0], width, dtype=h.dtype, device=h.device)
+        ones, num_rows = _all_rows(h.shape[0], h.device)
+        K_.swiglu_forward(h, ones, act, None, num_rows, width, clamp)
+        return act
 
     # --------------------------------------------------------------------- plan and row movement
 
