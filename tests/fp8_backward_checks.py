@@ -193,10 +193,11 @@ def check_shared_experts(device):
     for clamp in (None, 0.75):
         out, h = ex.shared_forward(*on(x, w1, w2), clamp)
         ref_out, ref_h = shared_forward(x, w1, w2, clamp, torch.bfloat16)
-        assert torch.equal(h.cpu(), ref_h), "shared pre-activation"
+        # the GEMMs' bits differ by device (accumulation order): the SwiGLU is what is checked
+        assert rel(h, ref_h) < 1e-2, ("shared pre-activation", rel(h, ref_h))
         assert rel(out, ref_out) < 1e-2, ("shared out", clamp, rel(out, ref_out))
-        got = ex.shared_backward(*on(x, w1, w2, h.cpu(), ), clamp, gy.to(device))
-        want = shared_backward(x, w1, w2, ref_h, clamp, gy, torch.bfloat16)
+        got = ex.shared_backward(*on(x, w1, w2), h, clamp, gy.to(device))
+        want = shared_backward(x, w1, w2, h.cpu(), clamp, gy, torch.bfloat16)
         for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert rel(a, b) < 1e-2, ("shared", name, clamp, rel(a, b))
