@@ -227,9 +227,9 @@ class TritonExecutor:
         ten fp32 passes over [T, 2I]: ~4.5 ms of casts and multiplies per DeepSeek-V3-proxy
         step (NOTES.md, session 25). Returns (out, pre-activation), as expert_math.shared_forward."""
         width, dt = w2.shape[1], x.dtype
-        h = x @ w1.to(dt).t()
         if not _swiglu_kernel_takes(x, width):
             return shared_forward(x, w1, w2, clamp, dt)
+        h = x @ w1.to(dt).t()
         return self._shared_act(h, width, clamp) @ w2.to(dt).t(), h
 
     def shared_backward(self, x, w1, w2, h, clamp, grad_out):
