@@ -134,7 +134,7 @@ class TrainSection:
     overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
     # the dense linear layers' wgrads added into DDP's main_grad by their GEMM (Megatron's
     # gradient_accumulation_fusion, megatron_patch.dense_wgrad): no bf16 wgrad and no separate add.
-    # Off until measured on a GPU (NOTES.md, session 24)
+    # Off: 1% slower at the DeepSeek-V3 proxy on 2 H200s (BENCHMARKS.md, session 25)
     dense_wgrad_fusion: bool = False
     # Python's garbage collector (megamoe_trainer/host_gc.py): true = freeze the heap after the
     # model is built, no automatic collections, collect every gc_every steps on every rank at once

@@ -57,10 +57,6 @@ _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where 
 _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 
 
-def supports(buf: SymmBuffer) -> bool:
-    return supports_config(buf.config, buf.device)
-
-
 def supports_config(cfg, device: torch.device) -> bool:
     """Whether this executor runs calls of this MegaMoEConfig on this device."""
     if device.type != "cuda" or cfg.recipe not in GPU_EXECUTOR_RECIPES or cfg.dtype != torch.bfloat16:
@@ -230,7 +226,7 @@ class TritonExecutor:
         if not _swiglu_kernel_takes(x, width):
             return shared_forward(x, w1, w2, clamp, dt)
         h = x @ w1.to(dt).t()
-        return self._shared_act(h, width, clamp) @ w2.to(dt).t(), h
+        return self._shared_act(h, width, clamp, _all_rows(x.shape[0], x.device)) @ w2.to(dt).t(), h
 
     def shared_backward(self, x, w1, w2, h, clamp, grad_out):
         """(dx, dw1, dw2) of shared_forward, the SwiGLU backward by the routed experts' kernel."""
@@ -242,15 +238,15 @@ class TritonExecutor:
         grad_act = grad_out @ w2.to(dt)
         grad_h = torch.empty(T, 2 * width, dtype=dt, device=x.device)
         unused_row_grad = torch.empty(T, dtype=torch.float32, device=x.device)
-        ones, num_rows = _all_rows(T, x.device)
-        K_.swiglu_backward(h, ones, grad_act, grad_h, unused_row_grad, num_rows, width, clamp)
-        return grad_h @ w1.to(dt), grad_h.t() @ x, grad_out.t() @ self._shared_act(h, width, clamp)
+        rows = _all_rows(T, x.device)
+        K_.swiglu_backward(h, rows[0], grad_act, grad_h, unused_row_grad, rows[1], width, clamp)
+        return grad_h @ w1.to(dt), grad_h.t() @ x, grad_out.t() @ self._shared_act(h, width, clamp, rows)
 
     @staticmethod
-    def _shared_act(h, width, clamp):
+    def _shared_act(h, width, clamp, rows):
         # [gate | up] is the interleave with one chunk of the whole width; row weight 1 is exact
         act = torch.empty(h.shape[0], width, dtype=h.dtype, device=h.device)
-        ones, num_rows = _all_rows(h.shape[0], h.device)
+        ones, num_rows = rows
         K_.swiglu_forward(h, ones, act, None, num_rows, width, clamp)
         return act
 
