@@ -106,22 +106,10 @@ def mega_moe(
     be: Backend = resolve_backend(backend, buffer)
     problem = check_inputs(
         buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation, prepared_weights=prepared_weights,
     )
-    if problem is None and prepared_weights is not None:
-        problem = _check_prepared(prepared_weights, w1, w2, buffer)
     if problem is not None:  # still take part in the status exchange so peers fail too
         be.forward(buffer, None, None, None, None, None, None, problem, layer_id)
     return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats, layer_id,
                                  fuse_wgrad_accumulation, prepared_weights)
 
-
-def _check_prepared(prepared, w1, w2, buffer: SymmBuffer) -> str | None:
-    if not isinstance(prepared, ExpertWeights):
-        return f"prepared_weights: expected ExpertWeights, got {type(prepared).__name__}"
-    if prepared.recipe != buffer.config.recipe:
-        return f"prepared_weights: prepared for recipe {prepared.recipe!r}, the buffer runs {buffer.config.recipe!r}"
-    if prepared.w1.shape[0] != w1.shape[0] or prepared.w2.shape[0] != w2.shape[0] or prepared.w1.device != w1.device:
-        return (f"prepared_weights: {prepared.w1.shape[0]} experts on {prepared.w1.device}, w1 has "
-                f"{w1.shape[0]} on {w1.device}")
-    return None

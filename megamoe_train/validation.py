@@ -11,6 +11,7 @@ import torch
 
 from .errors import MegaMoEInputError
 from .symm_buffer import SymmBuffer
+from .weights import ExpertWeights
 
 __all__ = ["MegaMoEInputError", "check_inputs"]
 
@@ -31,7 +32,7 @@ def _check_tensor(name, t, shape, dtypes, device) -> str | None:
 
 def check_inputs(
     buffer: SymmBuffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids: bool = True,
-    fuse_wgrad_accumulation: bool = False,
+    fuse_wgrad_accumulation: bool = False, prepared_weights=None,
 ) -> str | None:
     """First problem with this rank's inputs, or None. check_ids reads topk_idx on the host."""
     cfg = buffer.config
@@ -69,9 +70,26 @@ def check_inputs(
         problem = _check_tensor(name, t, shape, dtypes, dev)
         if problem:
             return problem
+    if prepared_weights is not None:
+        problem = _check_prepared(prepared_weights, cfg.recipe, E_l, dev)
+        if problem:
+            return problem
     if check_ids and T:
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= cfg.num_experts:
             bad = lo if lo < -1 else hi
             return f"topk_idx: expert id {bad} is outside [0, {cfg.num_experts}) (use -1 to mask a slot)"
+    return None
+
+
+def _check_prepared(prepared, recipe: str, num_local_experts: int, device) -> str | None:
+    """mega_moe(prepared_weights=): kernel-layout weights for this buffer's recipe, experts and device."""
+    if not isinstance(prepared, ExpertWeights):
+        return f"prepared_weights: expected ExpertWeights, got {type(prepared).__name__}"
+    if prepared.recipe != recipe:
+        return f"prepared_weights: prepared for recipe {prepared.recipe!r}, the buffer runs {recipe!r}"
+    n = prepared.w1.shape[0]
+    if n != num_local_experts or prepared.w2.shape[0] != n or prepared.w1.device != device:
+        return (f"prepared_weights: {n} experts on {prepared.w1.device}, expected {num_local_experts} on {device} "
+                "(the buffer's local experts)")
     return None
