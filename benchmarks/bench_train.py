@@ -70,8 +70,11 @@ VARIANTS = {
     # DDP all-reduces the data-parallel gradient buckets during the last micro-batch's backward
     "bf16-overlap-grad": ("bf16", ["train.overlap_grad_reduce=true"]),
     "fp8-overlap-grad": ("fp8", ["train.overlap_grad_reduce=true"]),
-    # the same tokens per optimizer step in fewer, larger micro-batches (the recipe: 4 x 4):
-    # every micro-batch reads and writes the experts' fp32 main_grad once in its wgrads
+    # the DeepSeek-V3 proxy's tokens per optimizer step in other micro-batch splits (the 2-GPU
+    # recipes: 16 x 1 since session 26, 4 x 4 before): every micro-batch reads and writes the
+    # experts' fp32 main_grad once in its wgrads
+    "bf16-mb4": ("bf16", ["train.micro_batch_size=4", "train.grad_accum_steps=4"]),
+    "fp8-mb4": ("fp8", ["train.micro_batch_size=4", "train.grad_accum_steps=4"]),
     "bf16-mb8": ("bf16", ["train.micro_batch_size=8", "train.grad_accum_steps=2"]),
     "fp8-mb8": ("fp8", ["train.micro_batch_size=8", "train.grad_accum_steps=2"]),
     "bf16-mb16": ("bf16", ["train.micro_batch_size=16", "train.grad_accum_steps=1"]),
