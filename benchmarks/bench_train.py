@@ -70,6 +70,10 @@ VARIANTS = {
     # DDP all-reduces the data-parallel gradient buckets during the last micro-batch's backward
     "bf16-overlap-grad": ("bf16", ["train.overlap_grad_reduce=true"]),
     "fp8-overlap-grad": ("fp8", ["train.overlap_grad_reduce=true"]),
+    # torch's fused AdamW and megatron's main -> model copy instead of the AdamW kernel that writes
+    # the bf16 params (megamoe_trainer/adam_kernel.py)
+    "bf16-torch-adam": ("bf16", ["train.adam_writes_model_params=false"]),
+    "fp8-torch-adam": ("fp8", ["train.adam_writes_model_params=false"]),
     # the DeepSeek-V3 proxy's tokens per optimizer step in other micro-batch splits (the 2-GPU
     # recipes: 16 x 1 since session 26, 4 x 4 before): every micro-batch reads and writes the
     # experts' fp32 main_grad once in its wgrads

@@ -27,13 +27,22 @@ Adam divides every gradient by as it loads it (the hook AMP's GradScaler uses), 
 dropped after the step. Numerics: grad / (1 / c) instead of grad * c, within an ulp where c < 1
 and exact where no clipping happens (c = 1). Anything else (decoupled grads, a host norm, a
 partial parameter list, a non-fused optimizer) is clipped by megatron's function as before.
+
+Adam writing the model's bf16 params (`use_adam_writing_model_params`, CUDA): megatron's bf16
+optimizer steps torch's AdamW on fp32 main params, then copies every main param into its bf16
+model param (a second pass over all of them). Switched, the AdamW's step runs
+`adam_kernel.adamw_update` per parameter, which writes the bf16 value as it stores the fp32 one,
+and megatron's copy after that step is skipped. The optimizer state stays torch's (`step`,
+`exp_avg`, `exp_avg_sq`), so checkpoints are unchanged; the step count is also kept on the host
+(read once from the state, again whenever the state tensor is replaced, e.g. by a load), so the
+bias corrections cost no sync.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["install", "installed", "use_fused_adam"]
+__all__ = ["install", "installed", "use_fused_adam", "use_adam_writing_model_params", "writes_model_params"]
 
 _installed = False
 _original_clip = None
@@ -164,3 +173,118 @@ def use_fused_adam(optimizer) -> int:
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
             switched += 1
     return switched
+
+
+class _AdamWWritingModelParams:
+    """The step of one torch AdamW under megatron's bf16 optimizer, by adam_kernel.adamw_update."""
+
+    def __init__(self, adam: torch.optim.Optimizer, model_params: dict):
+        self.adam = adam
+        self.model_params = model_params  # id(main param) -> its bf16 model param (fp32 params: absent)
+        self.host_steps: dict = {}  # id(main param) -> (the state's step tensor, its count)
+        self.wrote_model_params = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from .adam_kernel import adamw_update
+
+        if closure is not None:
+            raise ValueError("megamoe AdamW: closures are not supported")
+        adam = self.adam
+        grad_scale = getattr(adam, "grad_scale", None)
+        if grad_scale is not None:
+            grad_scale = grad_scale.reshape(1).float()
+        unread = []
+        for group in adam.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = adam.state[p]
+                if not state:  # as torch's fused AdamW initializes it
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                known = self.host_steps.get(id(p))
+                if known is None or known[0] is not state["step"]:
+                    unread.append(p)
+        if unread:  # once, and after a load replaced the state: one read of all counts
+            counts = torch.stack([adam.state[p]["step"].reshape(()).float() for p in unread]).tolist()
+            for p, c in zip(unread, counts):
+                self.host_steps[id(p)] = (adam.state[p]["step"], int(c))
+        steps = []
+        for group in adam.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = adam.state[p]
+                count = self.host_steps[id(p)][1] + 1
+                self.host_steps[id(p)] = (state["step"], count)
+                steps.append(state["step"])
+                adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.model_params.get(id(p)),
+                             step=count, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], grad_scale=grad_scale)
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        adam.__dict__.pop("grad_scale", None)  # used by this step only (as _drop_grad_scale does)
+        self.wrote_model_params = True
+
+    def copy_main_to_model(self, original):
+        """megatron's main -> model copy, skipped right after this step wrote the model params."""
+        def copy():
+            if self.wrote_model_params:
+                self.wrote_model_params = False
+                return
+            original()
+        return copy
+
+
+def _model_params_kernel_fits(mo, adam) -> bool:
+    for group in adam.param_groups:
+        if (not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("differentiable")
+                or not group.get("decoupled_weight_decay", isinstance(adam, torch.optim.AdamW))
+                or isinstance(group["lr"], torch.Tensor)):
+            return False
+        for p in group["params"]:
+            if p.device.type != "cuda" or p.dtype != torch.float32 or not p.is_contiguous():
+                return False
+    for model_group, main_group in zip(mo.float16_groups, mo.fp32_from_float16_groups):
+        for model_param, main_param in zip(model_group, main_group):
+            if not model_param.is_contiguous() or model_param.numel() != main_param.numel():
+                return False
+    return True
+
+
+def use_adam_writing_model_params(optimizer) -> int:
+    """Under each megatron bf16 optimizer (Float16OptimizerWithFloat16Params) whose torch AdamW
+    use_fused_adam switched and whose parameters are contiguous CUDA tensors: steps by the kernel
+    that also writes the bf16 model params, and megatron's main -> model copy skipped after it.
+    Idempotent; call after use_fused_adam (and again after it, on a checkpoint load). Returns the
+    number of megatron optimizers switched by this call."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    switched = 0
+    for mo in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if type(mo) is not Float16OptimizerWithFloat16Params or mo.is_stub_optimizer:
+            continue  # the distributed optimizer copies into DDP's param buffer: not this path
+        adam = mo.optimizer
+        if "step" in adam.__dict__ or not isinstance(adam, torch.optim.Adam) or not _model_params_kernel_fits(mo, adam):
+            continue
+        model_params = {}
+        for model_group, main_group in zip(mo.float16_groups, mo.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model_params[id(main_param)] = model_param
+        stepper = _AdamWWritingModelParams(adam, model_params)
+        adam.step = stepper.step
+        mo._copy_main_params_to_model_params = stepper.copy_main_to_model(mo._copy_main_params_to_model_params)
+        switched += 1
+    return switched
+
+
+def writes_model_params(optimizer) -> bool:
+    """Whether use_adam_writing_model_params switched any of `optimizer`'s megatron optimizers."""
+    for mo in getattr(optimizer, "chained_optimizers", [optimizer]):
+        step = getattr(getattr(mo, "optimizer", None), "step", None)
+        if isinstance(getattr(step, "__self__", None), _AdamWWritingModelParams):
+            return True
+    return False

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .fused_elementwise import use_compiled_rope
 from .fused_optimizer import install as install_fused_multi_tensor_ops
-from .fused_optimizer import use_fused_adam
+from .fused_optimizer import use_adam_writing_model_params, use_fused_adam
 
 
 def transformer_config(recipe, on_gpu: bool = False):
@@ -131,6 +131,8 @@ def build_model(recipe, device: str):
     optimizer = get_megatron_optimizer(opt_cfg, [model])
     if t.fused_optimizer:
         use_fused_adam(optimizer)
+        if t.adam_writes_model_params:
+            use_adam_writing_model_params(optimizer)
     return model, optimizer, cfg
 
 

@@ -128,6 +128,9 @@ class TrainSection:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
     fused_optimizer: bool = True  # foreach grad norm / clip and fused AdamW where megatron has no TE / Apex kernels
+    # with fused_optimizer, on CUDA: the AdamW kernel also writes the bf16 model params, so megatron's
+    # separate main -> model params copy is skipped (megamoe_trainer/adam_kernel.py)
+    adam_writes_model_params: bool = True
     # fp32 matmuls on TF32 tensor cores (CUDA): in a bf16 model only the router's (moe_router_dtype
     # fp32), whose operands are bf16 values, exact in TF32; fp32 accumulation either way
     tf32_matmul: bool = True

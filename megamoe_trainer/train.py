@@ -157,12 +157,13 @@ def _init_parallel(recipe: Recipe, device: str):
     model_parallel_cuda_manual_seed(recipe.run.seed)
 
 
-def _describe(recipe: Recipe, world: int, device: str, model, dev: torch.device, built_s: float) -> str:
+def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: torch.device, built_s: float) -> str:
     """The run's first line (collective: counts the experts of every rank)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from .flops import train_flops_per_token
+    from .fused_optimizer import writes_model_params
     from .model import count_params
 
     total, expert = count_params(model)
@@ -186,7 +187,9 @@ def _describe(recipe: Recipe, world: int, device: str, model, dev: torch.device,
             f"{', CUDA graphs' if graphs else ''}) | "
             f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
             f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
-            f"attention {m.attention} | data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
+            f"attention {m.attention} | "
+            f"{'AdamW kernel writes the bf16 params | ' if writes_model_params(optimizer) else ''}"
+            f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
 
 
 def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
@@ -197,7 +200,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     from . import checkpoint as ckpt
     from .data import build_corpus
     from .flops import mfu
-    from .fused_optimizer import use_fused_adam
+    from .fused_optimizer import use_adam_writing_model_params, use_fused_adam
     from .host_gc import HostGC
     from .model import build_model
     from .profiling import StepProfiler
@@ -216,7 +219,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     model, optimizer, cfg = build_model(recipe, device)
     corpus = build_corpus(recipe, run_dir)
     stock_load = StockRouterLoad(model) if recipe.moe.megamoe_recipe is None else None
-    say(_describe(recipe, world, device, model, dev, time.perf_counter() - t0))
+    say(_describe(recipe, world, device, model, optimizer, dev, time.perf_counter() - t0))
 
     start_step, consumed = 0, 0
     latest = ckpt.latest_checkpoint(run_dir) if resume else None
@@ -224,6 +227,8 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         state = ckpt.load_checkpoint(latest, model, optimizer, device)
         if recipe.train.fused_optimizer:
             use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
+            if recipe.train.adam_writes_model_params:
+                use_adam_writing_model_params(optimizer)
         start_step, consumed = state["step"], state["consumed_samples"]
         say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
 
