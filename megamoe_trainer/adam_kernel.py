@@ -84,3 +84,8 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         grad_scale if grad_scale is not None else param, n,
         lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, lr / bias_correction1, bias_correction2_sqrt,
         HAS_SCALE=grad_scale is not None, HAS_COPY=model_copy is not None, BLOCK=BLOCK, num_warps=8)
+    # A kernel's writes are invisible to autograd's version counters, which caches key on (the fp8
+    # expert weights are re-quantized when the bf16 parameter's version moves): count them as the
+    # in-place torch ops they replace would.
+    written = [param, exp_avg, exp_avg_sq] + ([model_copy] if model_copy is not None else [])
+    torch.autograd.graph.increment_version(written)

@@ -58,8 +58,11 @@ def check_update_matches_torch(device):
                 p.grad = g / 1.7 if use_scale else g.clone()
             ref.step()
             for p, g, (m, v), c in zip(params, grads, moments, copies):
+                versions = (p._version, c._version)
                 adamw_update(p, g, m, v, c, step=step, lr=KW["lr"], beta1=KW["betas"][0], beta2=KW["betas"][1],
                              eps=KW["eps"], weight_decay=KW["weight_decay"], grad_scale=scale)
+                # counted as in-place writes: caches keyed on versions (the fp8 expert weights) see them
+                assert p._version > versions[0] and c._version > versions[1], "versions not bumped"
         for p, q, (m, v), c in zip(ref_params, params, moments, copies):
             st = ref.state[p]
             assert _rel(q, p) < 1e-6, ("param", use_scale, _rel(q, p))
