@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megamoe_trainer.adam_kernel import adamw_update  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import hbm_bandwidth, median_ms  # noqa: E402
 
 KW = dict(lr=2.2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -43,13 +43,6 @@ def proxy_shapes(scale: float) -> list[tuple[int, ...]]:
     for _ in range(layers - 1):
         shapes += [(experts, 2 * i, h), (experts, h, i), (256, h), (2 * i, h), (h, i)]  # experts, router, shared
     return shapes
-
-
-def hbm_bandwidth() -> float:
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def main():

@@ -39,7 +39,7 @@ from megamoe_train import MegaMoEConfig
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import quantize_weight
 from megamoe_train.weights import clear_weight_cache, interleave_gate_up, quantize_expert_weights, transform_weights
-from timing import median_ms
+from timing import hbm_bandwidth, median_ms
 
 SHAPES = {"S1": (128, 4096, 2048), "S4": (128, 7168, 2048)}  # (E_local, H, I)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -93,14 +93,6 @@ def adapter(args):
 
 
 
-def hbm_bandwidth() -> float:
-    """Bytes per second of a 4 GiB device-to-device copy (read + write)."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
@@ -116,7 +108,7 @@ def torch_as_on_main(w1, w2, chunk):
 def fp8(args):
     from megamoe_train.backends import triton_weight_prep as K
 
-    bw = hbm_bandwidth()
+    bw = hbm_bandwidth(4 << 30, iters=10, warmup=2)  # bench()'s counts
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | HBM copy {bw / 1e12:.2f} TB/s (read + write)")
     for shape in args.shapes:
         E, H, I = SHAPES[shape]

@@ -22,17 +22,11 @@ from megamoe_train.precision import RECIPES
 from megamoe_train.quant import dequantize_act, quantize_act, quantize_tokens_t
 
 from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
+from timing import hbm_bandwidth
 from timing import median_ms as bench
 
 FP8 = RECIPES["fp8"]
 EP = 2
-
-
-def hbm_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)
 
 
 def pool_operands(shape, dev):
@@ -68,7 +62,7 @@ def main():
         raise SystemExit("bench_wgrad_quant: needs a CUDA GPU")
     dev = torch.device("cuda")
     configs = [(int(b), int(w)) for b in args.block_c.split(",") for w in args.num_warps.split(",")]
-    bw = hbm_bandwidth()
+    bw = hbm_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | HBM copy {bw / 1e12:.2f} TB/s (read + write)")
     for shape in args.shapes.split(","):
         P, row_slot, num_rows, ops = pool_operands(shape, dev)

@@ -21,3 +21,11 @@ def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def hbm_bandwidth(nbytes: int = 4 << 30, iters: int = 20, warmup: int = 3) -> float:
+    """Bytes per second of a device-to-device copy of `nbytes` (read + write): the HBM rate the
+    micro-benchmarks' floors divide by, measured in the same run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src), iters, warmup) * 1e-3)
