@@ -226,7 +226,7 @@ class _AdamWWritingModelParams:
                              weight_decay=group["weight_decay"], grad_scale=grad_scale)
         if steps:
             torch._foreach_add_(steps, 1.0)
-        adam.__dict__.pop("grad_scale", None)  # used by this step only (as _drop_grad_scale does)
+        _drop_grad_scale(adam, (), {})  # the hook torch's own step would have run
         self.wrote_model_params = True
 
     def copy_main_to_model(self, original):
@@ -259,8 +259,10 @@ def use_adam_writing_model_params(optimizer) -> int:
     """Under each megatron bf16 optimizer (Float16OptimizerWithFloat16Params) whose torch AdamW
     use_fused_adam switched and whose parameters are contiguous CUDA tensors: steps by the kernel
     that also writes the bf16 model params, and megatron's main -> model copy skipped after it.
-    Idempotent; call after use_fused_adam (and again after it, on a checkpoint load). Returns the
-    number of megatron optimizers switched by this call."""
+    Idempotent; call after use_fused_adam. The switch is an attribute of the torch optimizer
+    instance, so it survives a checkpoint load (torch's load_state_dict replaces only the state and
+    the param groups, whose flags the step does not read). Returns the number of megatron
+    optimizers switched by this call."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     switched = 0

@@ -200,7 +200,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     from . import checkpoint as ckpt
     from .data import build_corpus
     from .flops import mfu
-    from .fused_optimizer import use_adam_writing_model_params, use_fused_adam
+    from .fused_optimizer import use_fused_adam
     from .host_gc import HostGC
     from .model import build_model
     from .profiling import StepProfiler
@@ -227,8 +227,6 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
         state = ckpt.load_checkpoint(latest, model, optimizer, device)
         if recipe.train.fused_optimizer:
             use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
-            if recipe.train.adam_writes_model_params:
-                use_adam_writing_model_params(optimizer)
         start_step, consumed = state["step"], state["consumed_samples"]
         say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
 
