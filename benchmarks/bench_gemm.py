@@ -19,7 +19,9 @@ layer, where an expert's last 128-row tile is mostly partial.
   with gradient-accumulation fusion does): our bf16 CUTLASS GEMM adding in its epilogue
   (cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, every variant) vs torch._grouped_mm bf16 then
   main_grad.add_ (what DDP's hook does without the fusion). Floors: FLOPs at the bf16 peak, and the
-  accumulator's fp32 read + write (8 bytes per element) at the measured write rate.
+  accumulator's fp32 read + write (8 bytes per element) at the measured write rate. Also the same
+  GEMM writing fp32 over main_grad (a step's first micro-batch when DDP's buffer is not zeroed,
+  megatron_patch.grad_buffers), every variant, against accumulating plus DDP's zero_ of main_grad.
 - dense_acc (not in the default list): the DeepSeek-V3 proxy's dense weight gradients (attention
   QKV and projection, the dense layer's MLP, the output layer; one micro-batch of 8192 tokens)
   added into fp32 main_grad, one group: what megatron_patch.dense_wgrad runs for Megatron's
@@ -48,7 +50,9 @@ from megamoe_train.quant import dequantize_act, dequantize_weight, quantize_act,
 
 FP8 = get_recipe("fp8")
 SWIZZLES = (1, 4)
-SHAPES = {**LAYER_SHAPES, "proxy": (256, 8, 2048, 512, 8192)}  # the DeepSeek-V3 training proxy (bench_train)
+# the DeepSeek-V3 training proxy (bench_train): micro-batches of 8192 tokens per GPU (4 sequences; the
+# 1-GPU recipe), and of 32768 (16 sequences; the 2-GPU recipes)
+SHAPES = {**LAYER_SHAPES, "proxy": (256, 8, 2048, 512, 8192), "proxy16": (256, 8, 2048, 512, 32768)}
 
 
 def bench(fn, iters=30, warmup=5) -> float:
@@ -219,6 +223,13 @@ def wgrad_acc_case(groups, rows_per_group, m, n, dev):
             cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, main_grad, variant)
             errors[label] = float((main_grad - ref).norm() / ref.norm())
             times[label] = bench(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, main_grad, variant))
+        for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
+            label = f"cutlass_store32 v{variant}"
+            main_grad.fill_(float("nan"))  # written over: never read
+            cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, main_grad, variant)
+            errors[label] = float((main_grad - ref).norm() / ref.norm())
+            times[label] = bench(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, main_grad, variant))
+        times["zero_"] = bench(lambda: main_grad.zero_())  # DDP's reset of main_grad, which the store makes unneeded
     del ref
     times["torch_bf16+add"] = bench(lambda: main_grad.add_(torch._grouped_mm(a.t(), b, offs=ends)))
     return times, errors
@@ -293,8 +304,9 @@ def main():
             torch.cuda.empty_cache()
     if "wgrad_acc" in gemms:
         print("\n| shape | wgrad into fp32 main_grad | G x M x N, rows per expert | CUTLASS fused ms (TF/s) best | "
-              "torch bf16 + add_ ms | speedup | bf16 FLOPs floor ms | main_grad r+w floor ms |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+              "torch bf16 + add_ ms | speedup | bf16 FLOPs floor ms | main_grad r+w floor ms | "
+              "written over ms (TF/s) best | zero_ ms | write floor ms |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape, name, groups, rows, m, n in wgrad_shapes(args.shapes, args.ep):
             times, errors = wgrad_acc_case(groups, rows, m, n, dev)
             flops = 2.0 * groups * rows * m * n
@@ -302,7 +314,8 @@ def main():
             speedup = _speedup(times, "cutlass_acc", "torch_bf16+add")
             print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
                   f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
-                  f"{groups * m * n * 8 / write_gbs / 1e6:.3f} |", flush=True)
+                  f"{groups * m * n * 8 / write_gbs / 1e6:.3f} | {best(times, 'cutlass_store32', tf)} | "
+                  f"{times.get('zero_', float('nan')):.3f} | {groups * m * n * 4 / write_gbs / 1e6:.3f} |", flush=True)
             details.append(_detail(f"{shape} {name} acc", times, errors))
             torch.cuda.empty_cache()
     if "dense_acc" in gemms:

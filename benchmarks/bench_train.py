@@ -83,6 +83,10 @@ VARIANTS = {
     "fp8-mb8": ("fp8", ["train.micro_batch_size=8", "train.grad_accum_steps=2"]),
     "bf16-mb16": ("bf16", ["train.micro_batch_size=16", "train.grad_accum_steps=1"]),
     "fp8-mb16": ("fp8", ["train.micro_batch_size=16", "train.grad_accum_steps=1"]),
+    # DDP zeroes the experts' main_grad every step and the first micro-batch's wgrads add into it,
+    # instead of writing over it (megatron_patch.grad_buffers)
+    "bf16-zeroed-main-grad": ("bf16", ["moe.megamoe_overwrite_main_grad=false"]),
+    "fp8-zeroed-main-grad": ("fp8", ["moe.megamoe_overwrite_main_grad=false"]),
 }
 
 

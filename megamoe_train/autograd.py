@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, resolve_backend
+from .main_grad import placeholder_grad, take_targets
 from .symm_buffer import SymmBuffer
 from .validation import check_inputs
 from .weights import ExpertWeights, transform_weights
@@ -32,12 +33,12 @@ class MegaMoEFunction(torch.autograd.Function):
         fused = ctx.fused_weights
         grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
             buffer, ctx.saved, grad_y, ctx.weights, ctx.shared,
-            wgrad_accumulators=None if fused is None else (fused[0].main_grad, fused[1].main_grad),
+            wgrad_targets=None if fused is None else take_targets(*fused),
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
         ctx.saved = ctx.fused_weights = None
-        if fused is not None:  # added into main_grad already: Megatron's convention for that
-            grad_w1, grad_w2 = (_placeholder_grad(w) for w in fused)
+        if fused is not None:  # in main_grad already: Megatron's convention for that
+            grad_w1, grad_w2 = (placeholder_grad(w) for w in fused)
         return (
             grad_x,
             None,
@@ -53,15 +54,6 @@ class MegaMoEFunction(torch.autograd.Function):
             None,
             None,
         )
-
-
-def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
-    """The gradient returned for a weight whose gradient went into weight.main_grad: Megatron's
-    (and Transformer Engine's) convention: grad_added_to_main_grad = True tells the gradient hook
-    not to add .grad again, so .grad is left uninitialized (zeros if zero_out_wgrad is set)."""
-    weight.grad_added_to_main_grad = True
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def mega_moe(
@@ -95,7 +87,8 @@ def mega_moe(
     w1 and w2 carry a `main_grad` accumulator of their shape (Megatron DDP's, usually fp32); the
     backward adds the expert weight gradients into it (in the wgrad GEMM's epilogue on the GPU
     backend) and sets `grad_added_to_main_grad = True` on the weight, whose .grad is then a
-    placeholder that Megatron's gradient hook discards.
+    placeholder that Megatron's gradient hook discards. A weight flagged `overwrite_main_grad`
+    gets its gradient written over main_grad instead (main_grad.py).
 
     prepared_weights: w1 and w2 already in the kernel layout of the buffer's recipe
     (`transform_weights` or `quantize_expert_weights` of them as they are now), for callers that

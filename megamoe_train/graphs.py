@@ -34,14 +34,21 @@ Contract (checked where it can be):
   must keep its storage (Megatron DDP's grad buffer does: it is zeroed in place); a replay whose
   main_grad moved runs eagerly. The warm-up calls before capture add into scratch accumulators,
   never into main_grad.
+- a fused call whose weights are flagged `overwrite_main_grad` (main_grad.py: the step's first
+  micro-batch, its grad buffer not zeroed) writes over main_grad instead of adding: a second
+  forward/backward pair, captured the first time it is needed. The flag is read at the forward
+  (one forward in flight per layer, above) and used up by the backward replay.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .autograd import mega_moe
 from .backends import resolve_backend
+from .main_grad import wants_overwrite
 from .symm_buffer import SymmBuffer
 from .weights import quantize_expert_weights, weight_state
 
@@ -79,6 +86,8 @@ class GraphedMegaMoE:
         self.layer_id = layer_id
         self.warmup_calls = warmup_calls
         self._captured_signature = None
+        self.leaves = None
+        self.pairs: dict[bool, _CapturedPair] = {}  # by overwrite_main_grad (False: add into main_grad)
         self.replays = 0
         self.weight_preparations = 0  # replays of the weight-preparation graph (quantized recipes)
         self._prepared = self._prepared_state = None
@@ -105,21 +114,31 @@ class GraphedMegaMoE:
         params = [w for w in self.leaves if w is not None]
         return [t for t in (self.x, self.topk_weights, *params) if t.requires_grad]
 
-    def _capture(self, x, topk_idx, topk_weights):
-        # The graphs differentiate leaves that alias the parameters' storage, not the parameters:
-        # a parameter's gradient-accumulation node can outlive iterations (Megatron's DDP keeps
-        # it) on the stream it was made on, and autograd would join that stream into the capture.
-        self.leaves = tuple(None if w is None else w.detach().requires_grad_(w.requires_grad) for w in self.weights)
-        if self.fuse:  # the warm-up calls add into scratch accumulators, not into main_grad
+    def _capture(self, x, topk_idx, topk_weights, overwrite: bool):
+        """Captures the forward/backward pair for this main_grad mode; the first capture also
+        makes the static inputs, the leaves and the weight-preparation graph."""
+        first = self.leaves is None
+        if first:
+            # The graphs differentiate leaves that alias the parameters' storage, not the parameters:
+            # a parameter's gradient-accumulation node can outlive iterations (Megatron's DDP keeps
+            # it) on the stream it was made on, and autograd would join that stream into the capture.
+            self.leaves = tuple(None if w is None else w.detach().requires_grad_(w.requires_grad) for w in self.weights)
+            dev = x.device
+            self.x = x.detach().clone().requires_grad_(x.requires_grad)
+            self.topk_idx = topk_idx.detach().clone()
+            self.topk_weights = topk_weights.detach().clone().requires_grad_(topk_weights.requires_grad)
+            self.recv_counts = torch.zeros(self.buffer.num_local_experts, dtype=torch.int64, device=dev)
+            self.grad_y = torch.empty_like(x, dtype=self.buffer.config.dtype)
+            self.pool = torch.cuda.graph_pool_handle()
+        else:
+            self.x.copy_(x)
+            self.topk_idx.copy_(topk_idx)
+            self.topk_weights.copy_(topk_weights)
+        dev = self.x.device
+        inputs = self._grad_inputs()
+        if self.fuse:  # the warm-up calls add into (or write) scratch accumulators, not main_grad
             for leaf, w in zip(self.leaves[:2], self.weights[:2]):
                 leaf.main_grad = torch.zeros_like(w.main_grad)
-        dev = x.device
-        self.x = x.detach().clone().requires_grad_(x.requires_grad)
-        self.topk_idx = topk_idx.detach().clone()
-        self.topk_weights = topk_weights.detach().clone().requires_grad_(topk_weights.requires_grad)
-        self.recv_counts = torch.zeros(self.buffer.num_local_experts, dtype=torch.int64, device=dev)
-        self.grad_y = torch.empty_like(x, dtype=self.buffer.config.dtype)
-        inputs = self._grad_inputs()
 
         # Warm-up calls on a side stream (as torch.cuda.make_graphed_callables does): the Triton
         # kernels compile and the CUTLASS workspaces are allocated before capture.
@@ -127,40 +146,50 @@ class GraphedMegaMoE:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_calls):
+                self._flag_leaves(overwrite)
                 prepared = self._prepare() if self._quantizes_weights() else None  # (not cached on the leaves)
                 y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves, prepared)
                 torch.autograd.grad(y, inputs, self.grad_y.normal_(), allow_unused=True)
             del y, prepared
         torch.cuda.current_stream(dev).wait_stream(side)
-        if self.fuse:  # captured (not run): the replays add into the parameters' main_grad
+        if self.fuse:  # captured (not run): the replays add into (or write) the parameters' main_grad
             for leaf, w in zip(self.leaves[:2], self.weights[:2]):
                 leaf.main_grad = w.main_grad
 
-        self.pool = torch.cuda.graph_pool_handle()
-        self.prep_graph = None
-        if self._quantizes_weights():  # captured, not run: the first replay prepares them
-            self.prep_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.prep_graph, pool=self.pool):
-                self._prepared = self._prepare()
-        self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd_graph, pool=self.pool):
-            self.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves, self._prepared)
-        with torch.cuda.graph(self.bwd_graph, pool=self.pool):
-            self.grads = torch.autograd.grad(self.y, inputs, self.grad_y, allow_unused=True)
+        if first:
+            self.prep_graph = None
+            if self._quantizes_weights():  # captured, not run: the first replay prepares them
+                self.prep_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.prep_graph, pool=self.pool):
+                    self._prepared = self._prepare()
+        pair = _CapturedPair(torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph())
+        with torch.cuda.graph(pair.fwd_graph, pool=self.pool):
+            pair.y = self._call(self.x, self.topk_idx, self.topk_weights, self.recv_counts, self.leaves, self._prepared)
+        self._flag_leaves(overwrite)  # read by the captured backward
+        with torch.cuda.graph(pair.bwd_graph, pool=self.pool):
+            pair.grads = torch.autograd.grad(pair.y, inputs, self.grad_y, allow_unused=True)
+        self.pairs[overwrite] = pair
         self.recv_counts.zero_()  # the warm-up calls counted rows
-        self._captured_signature = _signature(x, topk_idx, topk_weights)
-        self._captured_main_grads = self._main_grads()
+        if first:
+            self._captured_signature = _signature(x, topk_idx, topk_weights)
+            self._captured_main_grads = self._main_grads()
+
+    def _flag_leaves(self, overwrite: bool) -> None:
+        if self.fuse:
+            for leaf in self.leaves[:2]:
+                leaf.overwrite_main_grad = overwrite
 
     # ------------------------------------------------------------------ replay
 
     def __call__(self, x, topk_idx, topk_weights, recv_stats=None):
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, topk_weights, *self.params)):
             return self._call(x, topk_idx, topk_weights, recv_stats)
-        if self._captured_signature is None:
-            self._capture(x, topk_idx, topk_weights)
-        elif (_signature(x, topk_idx, topk_weights) != self._captured_signature
-              or self._main_grads() != self._captured_main_grads):
+        if self._captured_signature is not None and (_signature(x, topk_idx, topk_weights) != self._captured_signature
+                                                     or self._main_grads() != self._captured_main_grads):
             return self._call(x, topk_idx, topk_weights, recv_stats)
+        overwrite = self.fuse and wants_overwrite(*self.weights[:2])
+        if overwrite not in self.pairs:
+            self._capture(x, topk_idx, topk_weights, overwrite)
         if self.prep_graph is not None:
             state = weight_state(self.weights[0], self.weights[1], self.buffer.config)
             if state != self._prepared_state:
@@ -168,11 +197,21 @@ class GraphedMegaMoE:
                 self._prepared_state = state
                 self.weight_preparations += 1
         self.replays += 1
-        y = _Replay.apply(self, x, topk_weights, topk_idx, *self.params)
+        y = _Replay.apply(self, self.pairs[overwrite], x, topk_weights, topk_idx, *self.params)
         if recv_stats is not None:
             recv_stats += self.recv_counts
         self.recv_counts.zero_()
         return y
+
+
+@dataclass
+class _CapturedPair:
+    """One captured forward and its backward, with their static output tensors."""
+
+    fwd_graph: torch.cuda.CUDAGraph
+    bwd_graph: torch.cuda.CUDAGraph
+    y: torch.Tensor | None = None
+    grads: tuple | None = None
 
 
 class _Replay(torch.autograd.Function):
@@ -180,20 +219,21 @@ class _Replay(torch.autograd.Function):
     inputs are x, topk_weights and the parameters, in that order (as captured)."""
 
     @staticmethod
-    def forward(ctx, graphed: GraphedMegaMoE, x, topk_weights, topk_idx, *params):
+    def forward(ctx, graphed: GraphedMegaMoE, pair: _CapturedPair, x, topk_weights, topk_idx, *params):
         graphed.x.copy_(x)
         graphed.topk_weights.copy_(topk_weights)
         graphed.topk_idx.copy_(topk_idx)
-        graphed.fwd_graph.replay()
-        ctx.graphed = graphed
-        return graphed.y.detach().clone()  # the static output is overwritten by the next replay
+        pair.fwd_graph.replay()
+        ctx.graphed, ctx.pair = graphed, pair
+        return pair.y.detach().clone()  # the static output is overwritten by the next replay
 
     @staticmethod
     def backward(ctx, grad_y):
         g: GraphedMegaMoE = ctx.graphed
+        pair: _CapturedPair = ctx.pair
         g.grad_y.copy_(grad_y)
-        g.bwd_graph.replay()
-        grads = iter(g.grads)  # one per captured input that requires grad, in capture order
+        pair.bwd_graph.replay()
+        grads = iter(pair.grads)  # one per captured input that requires grad, in capture order
 
         def take(t):
             return next(grads) if t.requires_grad else None
@@ -201,11 +241,13 @@ class _Replay(torch.autograd.Function):
         grad_x, grad_tw = (None if d is None else d.clone() for d in (take(g.x), take(g.topk_weights)))
         # Megatron's hook moves .grad into main_grad at once: hand over the static tensor (a fresh
         # alias, which autograd adopts without a copy). Otherwise autograd copies it. With fused
-        # accumulation the replay already added w1's and w2's into main_grad: their grads are the
-        # captured placeholders, flagged for the hook as mega_moe flags them.
+        # accumulation the replay already put w1's and w2's into main_grad: their grads are the
+        # captured placeholders, flagged for the hook as mega_moe flags them, and an overwrite
+        # request is used up.
         param_grads = [grad.detach() if grad is not None and hasattr(p, "main_grad") else grad
                        for p, grad in ((p, take(p)) for p in g.params)]
         if g.fuse:
             for p in g.params[:2]:
                 p.grad_added_to_main_grad = True
-        return None, grad_x, grad_tw, None, *param_grads
+                p.overwrite_main_grad = False
+        return None, None, grad_x, grad_tw, None, *param_grads

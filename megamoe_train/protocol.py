@@ -260,11 +260,12 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
 
 @_guarded
 def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared,
-             wgrad_accumulators=None):
+             wgrad_targets=None):
     """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2);
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]. With
-    wgrad_accumulators (w1's, w2's: tensors of the weights' shapes) the expert weight gradients
-    are added into those instead, and grad_w1, grad_w2 are None."""
+    wgrad_targets (w1's, w2's main_grad.WgradTarget: tensors of the weights' shapes) the expert
+    weight gradients go into those instead (added, or written over), and grad_w1, grad_w2 are
+    None."""
     cfg = buf.config
     R, T = buf.world_size, saved.num_tokens
 
@@ -287,7 +288,7 @@ def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tenso
     # 2-4. Pull dY once per (source, token); expert backward; push dX partials and d(topk weight).
     pool_grad = executor.pull_grad(buf, saved.plan)
     dx_rows, row_weight_grads, grad_w1, grad_w2 = executor.experts_backward(cfg, weights, saved.plan, saved.experts, pool_grad,
-                                                                            wgrad_accumulators)
+                                                                            wgrad_targets)
     executor.push_partials(buf, saved.plan, dx_rows, row_weight_grads)
     if shared is not None:
         _join_shared(buf)

@@ -122,6 +122,10 @@ def build_model(recipe, device: str):
     # fp32 main_grads, the expert ones too (their reduction group has one rank under full EP).
     cfg.calculate_per_token_loss = True
     model = DistributedDataParallel(cfg, ddp_cfg, model)
+    if recipe.moe.megamoe_fuse_wgrad_accumulation and recipe.moe.megamoe_overwrite_main_grad:
+        from megatron_patch.grad_buffers import overwrite_expert_main_grads
+
+        overwrite_expert_main_grads(model)
     cfg.finalize_model_grads_func = finalize_model_grads
     opt_cfg = OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,

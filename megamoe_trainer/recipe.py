@@ -110,6 +110,10 @@ class MoESection:
     megamoe_cuda_graph: Optional[bool] = None
     # expert wgrads added into DDP's main_grad by the wgrad GEMM (no separate main_grad += grad pass)
     megamoe_fuse_wgrad_accumulation: bool = True
+    # with the fusion: DDP's per-step zeroing skips the expert weights' main_grad and the step's
+    # first backward writes the expert wgrads over it (megatron_patch.grad_buffers): no zeroing
+    # pass and no read of main_grad in that GEMM
+    megamoe_overwrite_main_grad: bool = True
     max_tokens_per_rank: Optional[int] = None  # MegaMoE buffer size; None = micro_batch * seq_length
 
 

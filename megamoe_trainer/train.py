@@ -189,6 +189,7 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
             f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
             f"attention {m.attention} | "
             f"{'AdamW kernel writes the bf16 params | ' if writes_model_params(optimizer) else ''}"
+            f"{'expert main_grads written over, not zeroed | ' if getattr(model, '_megamoe_overwrite', None) else ''}"
             f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
 
 

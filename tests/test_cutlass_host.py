@@ -98,9 +98,10 @@ def test_wgrad_accumulate_rejects_bad_operands_before_touching_a_device(args, me
     "args,message",
     [
         (bad_store_case(0, torch.zeros(1040, 256)), "a must be a contiguous torch.bfloat16"),
-        (bad_store_case(3, torch.zeros(4, 256, 384)), "out must be a contiguous torch.bfloat16"),
+        (bad_store_case(3, torch.zeros(4, 256, 384, dtype=torch.float16)), "out must be a contiguous torch.bfloat16"),
         (bad_store_case(3, torch.zeros(4, 384, 256, dtype=torch.bfloat16)), "out must be .* shape \\[4, 256, 384\\]"),
         (acc_operands(out_dtype=torch.bfloat16), "must be CUDA tensors"),
+        (acc_operands(), "must be CUDA tensors"),  # fp32 stored (main_grad written over)
     ],
 )
 def test_wgrad_store_rejects_bad_operands_before_touching_a_device(args, message):
@@ -140,12 +141,19 @@ def test_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message
         (4, 256, 256, 1024, 7, "unknown bf16 wgrad variant"),
     ],
 )
-@pytest.mark.parametrize("accumulate", [True, False])
-def test_bf16_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message, accumulate):
-    name = "bf16_wgrad_grouped_gemm_accumulate" if accumulate else "bf16_wgrad_grouped_gemm"
-    with pytest.raises(RuntimeError, match=f"{name}: {message}"):
-        cutlass_gemm._cuda.bf16_wgrad_grouped_gemm(0, 0, 0, 0, groups, m, n, p, accumulate, variant, 1, 0, 0, 0, 0)
+@pytest.mark.parametrize("output", ["BF16_WGRAD_STORE_BF16", "BF16_WGRAD_STORE_FP32", "BF16_WGRAD_ACCUMULATE_FP32"])
+def test_bf16_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message, output):
+    code = getattr(cutlass_gemm._cuda, output)
+    with pytest.raises(RuntimeError, match=f"bf16_wgrad_grouped_gemm: {message}"):
+        cutlass_gemm._cuda.bf16_wgrad_grouped_gemm(0, 0, 0, 0, groups, m, n, p, code, variant, 1, 0, 0, 0, 0)
     assert cutlass_gemm._cuda.BF16_WGRAD_VARIANTS == 6
+    assert sorted(cutlass_gemm._BF16_WGRAD_OUTPUT.values()) == [0, 1, 2] and code in (0, 1, 2)
+
+
+@needs_extension
+def test_bf16_wgrad_unknown_output_answers_without_a_gpu():
+    with pytest.raises(RuntimeError, match="bf16_wgrad_grouped_gemm: unknown bf16 wgrad output"):
+        cutlass_gemm._cuda.bf16_wgrad_grouped_gemm(0, 0, 0, 0, 4, 256, 256, 1024, 7, 0, 1, 0, 0, 0, 0)
 
 
 def _toolchain():

@@ -128,9 +128,10 @@ def graphed_fused_accumulation(rank, world, recipe):
     start = [p.main_grad.clone() for p in (w1, w2)]
     eager_acc = [m.clone() for m in start]
 
-    def eager_call(x, idx, tw, gy, acc):
+    def eager_call(x, idx, tw, gy, acc, overwrite=False):
         a1, a2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
         a1.main_grad, a2.main_grad = acc
+        a1.overwrite_main_grad = a2.overwrite_main_grad = overwrite
         y = mega_moe(x, idx, tw, a1, a2, buf, backend="triton", fuse_wgrad_accumulation=True)
         y.backward(gy)
         return y.detach()
@@ -153,7 +154,33 @@ def graphed_fused_accumulation(rank, world, recipe):
         for name, p, m in zip(("w1", "w2"), (w1, w2), eager_acc):
             assert p.grad_added_to_main_grad, (step, name)
             assert torch.equal(p.main_grad, m), (step, name, rel_err(p.main_grad.cpu(), m.cpu()))
-    assert graphed.replays == 3
+    assert graphed.replays == 3 and list(graphed.pairs) == [False]
+
+    # A step's first micro-batch into a grad buffer that was not zeroed (overwrite_main_grad,
+    # main_grad.py): a second captured pair writes over main_grad (NaN: never read), then the
+    # next micro-batch's replay of the first pair adds again.
+    for step in range(2):
+        overwrite = step == 0
+        if overwrite:
+            for p, m in zip((w1, w2), eager_acc):
+                p.main_grad.fill_(float("nan"))
+                m.fill_(float("nan"))
+                p.overwrite_main_grad = True
+        prob = make_problem(cfg, world, [200] * world, seed=60 + step)
+        x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
+        tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
+        want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, eager_acc, overwrite)
+        for p in (w1, w2):
+            p.grad, p.grad_added_to_main_grad = None, False
+        got = graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_())
+        got.backward(gy)
+        torch.cuda.synchronize()
+        assert torch.equal(got.detach(), want), step
+        for name, p, m in zip(("w1", "w2"), (w1, w2), eager_acc):
+            assert p.grad_added_to_main_grad and not p.overwrite_main_grad, (step, name)
+            assert not torch.isnan(p.main_grad).any(), (step, name)
+            assert torch.equal(p.main_grad, m), (step, name, rel_err(p.main_grad.cpu(), m.cpu()))
+    assert graphed.replays == 5 and sorted(graphed.pairs) == [False, True]
 
     # A main_grad with new storage is not where the graph adds: that call runs eagerly, correctly.
     for p in (w1, w2):
@@ -163,7 +190,7 @@ def graphed_fused_accumulation(rank, world, recipe):
     want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, eager_acc)
     graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_()).backward(gy)
     torch.cuda.synchronize()
-    assert graphed.replays == 3
+    assert graphed.replays == 5
     for p, m in zip((w1, w2), eager_acc):
         assert torch.equal(p.main_grad, m)
 

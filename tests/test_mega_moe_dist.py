@@ -355,6 +355,23 @@ def fused_wgrad_accumulation(rank, world, cfg_kwargs, seed, tol=0.0):
         else:
             assert rel_err(added, ref.float()) < tol, (name, rel_err(added, ref.float()))
 
+    # overwrite_main_grad (main_grad.py): the stale main_grad (NaN) is written over, never read, and
+    # the request is used up: the next backward adds again.
+    for w in (w1, w2):
+        w.main_grad.fill_(float("nan"))
+        w.overwrite_main_grad = True
+    run(True)
+    for name, w, ref in (("w1", w1, gw1_ref), ("w2", w2, gw2_ref)):
+        assert w.overwrite_main_grad is False, name
+        if tol == 0.0:
+            assert torch.equal(w.main_grad, ref.float()), name
+        else:
+            assert rel_err(w.main_grad, ref.float()) < tol, (name, rel_err(w.main_grad, ref.float()))
+    written = [w.main_grad.clone() for w in (w1, w2)]
+    run(True)
+    for name, w, first in (("w1", w1, written[0]), ("w2", w2, written[1])):
+        assert torch.equal(w.main_grad, first + first), name  # the same gradient added once more
+
     # A weight without an accumulator is bad input: every rank raises, nothing is added anywhere.
     # (The GPU executor raises a peer's rejection at the peer's next call: checked with one rank.)
     if dev.type == "cuda" and world > 1:

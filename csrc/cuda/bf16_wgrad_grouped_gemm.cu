@@ -1,11 +1,14 @@
 // bf16 weight-gradient grouped GEMMs (grouped_gemm.h, depth-grouped): D[g] = A[rows of g]^T @
 // B[rows of g] with A = the pool's output gradients [P, M] and B = the pool's inputs [P, N], both
-// read by TMA as stored (16-bit wgmma takes M- or N-major tiles). Two outputs:
+// read by TMA as stored (16-bit wgmma takes M- or N-major tiles). Three outputs:
 // - stored: D[g] bf16 [M, N] (fp32 accumulation, rounded once);
 // - accumulated: D[g] fp32 [M, N] += the product, e.g. Megatron's main_grad. Folding the
 //   accumulation into the epilogue replaces a bf16 gradient write (2 bytes per weight) plus a
 //   separate main_grad += grad pass (2 + 4 + 4 bytes) by the epilogue's fp32 read and write
-//   (8 bytes), and keeps the product unrounded (NOTES.md).
+//   (8 bytes), and keeps the product unrounded (NOTES.md);
+// - stored fp32: D[g] fp32 [M, N] = the product, for a main_grad whose contents are stale (the
+//   step's first micro-batch when the grad buffer is not zeroed): 4 bytes per weight, and the
+//   buffer's zeroing pass (another 4) is not needed.
 //
 // An expert's K is only its few hundred pool rows, so a tile finishes after a handful of K steps
 // and its epilogue (convert, stage, store) is a large share of its time. The ping-pong variants
@@ -28,8 +31,9 @@ using Cooperative = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
 using CooperativeEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using Pingpong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
 using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+using EpiAuto = cutlass::epilogue::collective::EpilogueTileAuto;
 
-// The same configurations for both outputs (ElementD: bf16 stored, float accumulated):
+// The same configurations for every output (ElementD bf16 or float; kAcc: D += the product):
 // 0: cooperative 128x128x64, 1x2 cluster (A tile multicast to neighbouring N tiles);
 // 1: cooperative 128x256x64, no cluster: half the tiles, twice the epilogue per tile;
 // 2: ping-pong 128x128x64 per warpgroup, 1x2 cluster.
@@ -46,48 +50,48 @@ using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 // 5: 2 with 64x32 subtiles, C 8 buffers (a whole tile of the next warpgroup's C, read during its
 //    main loop), D 4 (fp32; 96 KB, 4 main-loop stages) or 8 (bf16: a tile's stores in flight;
 //    ping-pong still drains them at each tile's end, under the other warpgroup's MMAs).
-template <class ElementD>
+template <class ElementD, bool kAcc>
 using V0 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
-                       MK, ElementD>;
-template <class ElementD>
+                       MK, ElementD, EpiAuto, kAcc>;
+template <class ElementD, bool kAcc>
 using V1 = GroupedGemm<BF16, KN, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
-                       MK, ElementD>;
-template <class ElementD>
+                       MK, ElementD, EpiAuto, kAcc>;
+template <class ElementD, bool kAcc>
 using V2 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Pingpong, PingpongEpi, GroupedDim::kDepth, MK,
-                       ElementD>;
+                       ElementD, EpiAuto, kAcc>;
 template <class ElementD>
 constexpr bool kFp32 = std::is_same_v<ElementD, float>;
-template <class ElementD>
+template <class ElementD, bool kAcc>
 using V3 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
-                       MK, ElementD, EpilogueBuffers<Shape<_128, _32>, 4, kFp32<ElementD> ? 2 : 4>>;
-template <class ElementD>
+                       MK, ElementD, EpilogueBuffers<Shape<_128, _32>, 4, kFp32<ElementD> ? 2 : 4>, kAcc>;
+template <class ElementD, bool kAcc>
 using V4 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Cooperative, CooperativeEpi, GroupedDim::kDepth,
-                       MK, ElementD, EpilogueBuffers<Shape<_128, _64>, 2, 2>>;
-template <class ElementD>
+                       MK, ElementD, EpilogueBuffers<Shape<_128, _64>, 2, 2>, kAcc>;
+template <class ElementD, bool kAcc>
 using V5 = GroupedGemm<BF16, KN, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Pingpong, PingpongEpi, GroupedDim::kDepth, MK,
-                       ElementD, EpilogueBuffers<Shape<_64, _32>, 8, kFp32<ElementD> ? 4 : 8>>;
+                       ElementD, EpilogueBuffers<Shape<_64, _32>, 8, kFp32<ElementD> ? 4 : 8>, kAcc>;
 
-template <class ElementD>
+template <class ElementD, bool kAcc>
 size_t workspace_bytes(int num_groups, int variant, int device) {
   switch (variant) {
-    case 1: return V1<ElementD>::workspace_bytes(num_groups, device);
-    case 2: return V2<ElementD>::workspace_bytes(num_groups, device);
-    case 3: return V3<ElementD>::workspace_bytes(num_groups, device);
-    case 4: return V4<ElementD>::workspace_bytes(num_groups, device);
-    case 5: return V5<ElementD>::workspace_bytes(num_groups, device);
-    default: return V0<ElementD>::workspace_bytes(num_groups, device);
+    case 1: return V1<ElementD, kAcc>::workspace_bytes(num_groups, device);
+    case 2: return V2<ElementD, kAcc>::workspace_bytes(num_groups, device);
+    case 3: return V3<ElementD, kAcc>::workspace_bytes(num_groups, device);
+    case 4: return V4<ElementD, kAcc>::workspace_bytes(num_groups, device);
+    case 5: return V5<ElementD, kAcc>::workspace_bytes(num_groups, device);
+    default: return V0<ElementD, kAcc>::workspace_bytes(num_groups, device);
   }
 }
 
-template <class ElementD>
+template <class ElementD, bool kAcc>
 const char* run(const GroupedGemmArgs& args) {
   switch (args.variant) {
-    case 0: return V0<ElementD>::run(args);
-    case 1: return V1<ElementD>::run(args);
-    case 2: return V2<ElementD>::run(args);
-    case 3: return V3<ElementD>::run(args);
-    case 4: return V4<ElementD>::run(args);
-    case 5: return V5<ElementD>::run(args);
+    case 0: return V0<ElementD, kAcc>::run(args);
+    case 1: return V1<ElementD, kAcc>::run(args);
+    case 2: return V2<ElementD, kAcc>::run(args);
+    case 3: return V3<ElementD, kAcc>::run(args);
+    case 4: return V4<ElementD, kAcc>::run(args);
+    case 5: return V5<ElementD, kAcc>::run(args);
     default: return "unknown bf16 wgrad variant";
   }
 }
@@ -96,12 +100,21 @@ const char* run(const GroupedGemmArgs& args) {
 
 int bf16_wgrad_grouped_gemm_variants() { return 6; }
 
-size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, bool accumulate, int device) {
-  return accumulate ? workspace_bytes<float>(num_groups, variant, device) : workspace_bytes<BF16>(num_groups, variant, device);
+size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, Bf16WgradOutput output, int device) {
+  switch (output) {
+    case Bf16WgradOutput::kStoreFp32: return workspace_bytes<float, false>(num_groups, variant, device);
+    case Bf16WgradOutput::kAccumulateFp32: return workspace_bytes<float, true>(num_groups, variant, device);
+    default: return workspace_bytes<BF16, false>(num_groups, variant, device);
+  }
 }
 
-const char* bf16_wgrad_grouped_gemm(const GroupedGemmArgs& args) { return run<BF16>(args); }
-
-const char* bf16_wgrad_grouped_gemm_accumulate(const GroupedGemmArgs& args) { return run<float>(args); }
+const char* bf16_wgrad_grouped_gemm(const GroupedGemmArgs& args, Bf16WgradOutput output) {
+  switch (output) {
+    case Bf16WgradOutput::kStoreBf16: return run<BF16, false>(args);
+    case Bf16WgradOutput::kStoreFp32: return run<float, false>(args);
+    case Bf16WgradOutput::kAccumulateFp32: return run<float, true>(args);
+    default: return "unknown bf16 wgrad output";
+  }
+}
 
 }  // namespace megamoe

@@ -52,17 +52,19 @@ void fp8_wgrad_grouped_gemm(uintptr_t a_t, uintptr_t a_t_scales, uintptr_t b_t, 
                                                   variant, swizzle, workspace, workspace_bytes, stream, device)));
 }
 
-// a [p, m], b [p, n] (the pool operands), d [num_groups, m, n]: bf16 stored, or fp32 accumulated into.
+// a [p, m], b [p, n] (the pool operands), d [num_groups, m, n]: output is a Bf16WgradOutput
+// (bf16 stored, fp32 stored, fp32 accumulated into).
 void bf16_wgrad_grouped_gemm(uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_ends, int num_groups, int m, int n,
-                             int p, bool accumulate, int variant, int swizzle, uintptr_t workspace,
-                             size_t workspace_bytes, uintptr_t stream, int device) {
+                             int p, int output, int variant, int swizzle, uintptr_t workspace, size_t workspace_bytes,
+                             uintptr_t stream, int device) {
   megamoe::GroupedGemmArgs args = make_args(a, 0, b, 0, d, group_ends, num_groups, m, n, p, 0, variant, swizzle, workspace,
                                             workspace_bytes, stream, device);
-  if (accumulate) {
-    check("bf16_wgrad_grouped_gemm_accumulate", megamoe::bf16_wgrad_grouped_gemm_accumulate(args));
-  } else {
-    check("bf16_wgrad_grouped_gemm", megamoe::bf16_wgrad_grouped_gemm(args));
-  }
+  check("bf16_wgrad_grouped_gemm", megamoe::bf16_wgrad_grouped_gemm(args, static_cast<megamoe::Bf16WgradOutput>(output)));
+}
+
+size_t bf16_wgrad_workspace_bytes(int num_groups, int variant, int output, int device) {
+  return megamoe::bf16_wgrad_grouped_gemm_workspace_bytes(num_groups, variant, static_cast<megamoe::Bf16WgradOutput>(output),
+                                                         device);
 }
 
 size_t bf16_workspace_bytes(int num_groups, int variant, int b_layout, int device) {
@@ -81,8 +83,11 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("variant"), py::arg("device"));
   m.def("fp8_wgrad_grouped_gemm_workspace_bytes", &megamoe::fp8_wgrad_grouped_gemm_workspace_bytes,
         py::arg("num_groups"), py::arg("variant"), py::arg("device"));
-  m.def("bf16_wgrad_grouped_gemm_workspace_bytes", &megamoe::bf16_wgrad_grouped_gemm_workspace_bytes,
-        py::arg("num_groups"), py::arg("variant"), py::arg("accumulate"), py::arg("device"));
+  m.attr("BF16_WGRAD_STORE_BF16") = static_cast<int>(megamoe::Bf16WgradOutput::kStoreBf16);
+  m.attr("BF16_WGRAD_STORE_FP32") = static_cast<int>(megamoe::Bf16WgradOutput::kStoreFp32);
+  m.attr("BF16_WGRAD_ACCUMULATE_FP32") = static_cast<int>(megamoe::Bf16WgradOutput::kAccumulateFp32);
+  m.def("bf16_wgrad_grouped_gemm_workspace_bytes", &bf16_wgrad_workspace_bytes, py::arg("num_groups"), py::arg("variant"),
+        py::arg("output"), py::arg("device"));
   m.def("bf16_grouped_gemm_workspace_bytes", &bf16_workspace_bytes, py::arg("num_groups"), py::arg("variant"),
         py::arg("b_layout"), py::arg("device"));
   m.def("fp8_grouped_gemm", &fp8_grouped_gemm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
@@ -96,7 +101,7 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("p"), py::arg("variant"), py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"), py::arg("device"));
   m.def("bf16_wgrad_grouped_gemm", &bf16_wgrad_grouped_gemm, py::arg("a"), py::arg("b"), py::arg("d"),
-        py::arg("group_ends"), py::arg("num_groups"), py::arg("m"), py::arg("n"), py::arg("p"), py::arg("accumulate"),
+        py::arg("group_ends"), py::arg("num_groups"), py::arg("m"), py::arg("n"), py::arg("p"), py::arg("output"),
         py::arg("variant"), py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
         py::arg("device"));
 }

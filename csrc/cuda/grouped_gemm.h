@@ -47,7 +47,10 @@ struct GroupedGemmArgs {
 size_t fp8_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
 size_t fp8_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, int device);
 size_t bf16_grouped_gemm_workspace_bytes(int num_groups, int variant, BLayout b_layout, int device);
-size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, bool accumulate, int device);
+// What a bf16 wgrad writes into D: bf16 or fp32 values (the product, D's old contents never
+// read), or fp32 values added to D's (D += the product).
+enum class Bf16WgradOutput : int { kStoreBf16 = 0, kStoreFp32 = 1, kAccumulateFp32 = 2 };
+size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, Bf16WgradOutput output, int device);
 
 // fp8: D[rows of g] = (A[rows] * a_scales) @ (B[g] * b_scales)^T, 1x128 / 128x128 block scales
 // applied per 128-deep K step in fp32 (DeepSeek-V3's recipe); B is [N, K] (kNK) only.
@@ -58,16 +61,16 @@ size_t bf16_wgrad_grouped_gemm_workspace_bytes(int num_groups, int variant, bool
 // nondecreasing and <= P; an empty group's D[g] is zero, and a group breaking those rules is
 // not computed and its D[g] is NaN (the sizes live on the device: nothing is checked on the host).
 // bf16 wgrad (depth-grouped): D[g] = A[rows of g]^T @ B[rows of g] with fp32 accumulation, A the
-// pool [P, M] and B the pool [P, N] (bf16, as stored), D bf16 [G, M, N]; an empty group's D[g] is
-// zero and one whose range is not inside [0, P] is not computed and gets NaN.
-// Accumulating: D fp32 [G, M, N] += the product (unrounded); a group with no rows, or whose range
-// is not inside [0, P], is not computed: its D[g] is left as it was.
+// pool [P, M] and B the pool [P, N] (bf16, as stored), D [G, M, N] bf16 or fp32 (see
+// Bf16WgradOutput); stored, an empty group's D[g] is zero and one whose range is not inside
+// [0, P] is not computed and gets NaN. Accumulating: D fp32 [G, M, N] += the product
+// (unrounded); a group with no rows, or whose range is not inside [0, P], is not computed: its
+// D[g] is left as it was.
 // All return an empty string on success, else what went wrong.
 const char* fp8_grouped_gemm(const GroupedGemmArgs& args);
 const char* bf16_grouped_gemm(const GroupedGemmArgs& args);
 const char* fp8_wgrad_grouped_gemm(const GroupedGemmArgs& args);
-const char* bf16_wgrad_grouped_gemm(const GroupedGemmArgs& args);
-const char* bf16_wgrad_grouped_gemm_accumulate(const GroupedGemmArgs& args);
+const char* bf16_wgrad_grouped_gemm(const GroupedGemmArgs& args, Bf16WgradOutput output);
 
 // Number of compiled variants of each (index 0 is the default).
 int fp8_grouped_gemm_variants();

@@ -125,18 +125,21 @@ struct EpilogueFor<EpilogueBuffers<EpilogueTile, kStagesC, kStagesD>, TileShape,
 // - fp8: both operands K-major (what fp8 wgmma reads), pool-transposed, 1x128 scales on both;
 //   bf16 D[g] is written;
 // - bf16: both operands the pool itself ([P, M] and [P, N], M and N contiguous: LayoutA
-//   ColumnMajor, LayoutB RowMajor; 16-bit wgmma reads either major); D[g] bf16 is written, or
-//   (ElementD float) D[g] fp32 is accumulated into (D += A^T B: C is D, beta = 1), e.g. a
-//   parameter's fp32 main_grad.
+//   ColumnMajor, LayoutB RowMajor; 16-bit wgmma reads either major); D[g] is written (bf16, or
+//   fp32 for ElementD float), or with kAccumulate (ElementD float) D[g] fp32 is accumulated into
+//   (D += A^T B: C is D, beta = 1), e.g. a parameter's fp32 main_grad. Writing fp32 is for a
+//   main_grad whose old contents are stale (the first micro-batch of a step): no read of D.
 // EpilogueConfig: EpilogueTileAuto, a subtile shape or EpilogueBuffers (above).
 template <class ElementAB, class LayoutB_, class TileShape_, class ClusterShape_, class Schedule, class EpilogueSchedule,
           GroupedDim kGroupedDim = GroupedDim::kRows, class LayoutA_ = cutlass::layout::RowMajor,
-          class ElementD_ = cutlass::bfloat16_t, class EpilogueConfig = cutlass::epilogue::collective::EpilogueTileAuto>
+          class ElementD_ = cutlass::bfloat16_t, class EpilogueConfig = cutlass::epilogue::collective::EpilogueTileAuto,
+          bool kAccumulate_ = false>
 struct GroupedGemm {
   using Element = ElementAB;
   static constexpr bool kBlockScaled = std::is_same_v<ElementAB, cutlass::float_e4m3_t>;
   static constexpr bool kDepthGrouped = kGroupedDim == GroupedDim::kDepth;
-  static constexpr bool kAccumulate = std::is_same_v<ElementD_, float>;  // D += A @ B (C = D, beta = 1)
+  static constexpr bool kAccumulate = kAccumulate_;  // D += A @ B (C = D, beta = 1)
+  static_assert(!kAccumulate || std::is_same_v<ElementD_, float>, "accumulation is into fp32");
   static_assert(!kDepthGrouped || (kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::ColumnMajor> &&
                                    std::is_same_v<LayoutA_, cutlass::layout::RowMajor> && !kAccumulate) ||
                     (!kBlockScaled && std::is_same_v<LayoutB_, cutlass::layout::RowMajor> &&
@@ -374,23 +377,28 @@ __global__ void fill_group_arrays(typename G::GroupArrays arr, const int32_t* gr
   if (g < num_groups) fill_group_entry<G>(arr, group_ends, g, m, n, k, a, sfa, b, sfb, d);
 }
 
-// Depth-grouped, storing bf16: the output D[g] (m x n) of every group the GEMM gives no tiles. An expert
-// that received no rows has a zero gradient; a bad range gets NaN, so it cannot pass for one.
-// blockIdx.y is the group; the blocks of computed groups exit at once.
+// Depth-grouped, storing (bf16 or fp32): the output D[g] (m x n) of every group the GEMM gives no
+// tiles. An expert that received no rows has a zero gradient; a bad range gets NaN, so it cannot
+// pass for one. blockIdx.y is the group; the blocks of computed groups exit at once.
 template <class G>
 __global__ void fill_skipped_groups(const int32_t* group_ends, int64_t group_elems, int64_t p, void* d) {
-  static_assert(sizeof(typename G::ElementD) == 2, "bf16 output");
+  constexpr int kBytes = sizeof(typename G::ElementD);
+  static_assert(kBytes == 2 || kBytes == 4, "bf16 or fp32 output");
   int g = blockIdx.y;
   int64_t start = group_start(group_ends, g);
   int64_t end = group_ends[g];
   bool usable = depth_range_usable<G>(start, end, p);
   bool empty = start == end && usable;
   if (start < end && usable) return;
-  uint16_t bits = empty ? 0x0000 : 0x7fc0;  // bf16 zero or quiet NaN
-  uint32_t pair = bits | (static_cast<uint32_t>(bits) << 16);
-  uint4 fill = make_uint4(pair, pair, pair, pair);
-  uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(d) + g * group_elems);  // 16-byte aligned (checked)
-  int64_t chunks = group_elems / 8;
+  uint32_t word;  // zero or a quiet NaN, as many as fit in 32 bits
+  if constexpr (kBytes == 2) {
+    word = empty ? 0u : 0x7fc07fc0u;
+  } else {
+    word = empty ? 0u : 0x7fc00000u;
+  }
+  uint4 fill = make_uint4(word, word, word, word);
+  uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(d) + g * group_elems * kBytes);  // 16-byte aligned (checked)
+  int64_t chunks = group_elems * kBytes / 16;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = fill;
@@ -398,9 +406,9 @@ __global__ void fill_skipped_groups(const int32_t* group_ends, int64_t group_ele
 }
 
 template <class ElementAB, class LayoutB, class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule,
-          GroupedDim kGroupedDim, class LayoutA, class ElementD, class EpilogueConfig>
+          GroupedDim kGroupedDim, class LayoutA, class ElementD, class EpilogueConfig, bool kAccumulate_>
 const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, EpilogueSchedule, kGroupedDim, LayoutA,
-                        ElementD, EpilogueConfig>::run(
+                        ElementD, EpilogueConfig, kAccumulate_>::run(
     const GroupedGemmArgs& p) {
   using Self = GroupedGemm;
   if (p.num_groups <= 0) return "num_groups must be positive";
@@ -423,7 +431,8 @@ const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, E
     // enough 16-byte stores per block to amortize its launch; at most 32 blocks per group
     int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
     constexpr int kFillThreads = 256, kChunksPerThread = 16;
-    int64_t blocks = (group_elems / 8 + kFillThreads * kChunksPerThread - 1) / (kFillThreads * kChunksPerThread);
+    int64_t chunks = group_elems * static_cast<int64_t>(sizeof(ElementD)) / 16;
+    int64_t blocks = (chunks + kFillThreads * kChunksPerThread - 1) / (kFillThreads * kChunksPerThread);
     dim3 grid(static_cast<unsigned>(blocks < 32 ? blocks : 32), static_cast<unsigned>(p.num_groups));
     fill_skipped_groups<Self><<<grid, kFillThreads, 0, stream>>>(p.group_ends, group_elems, p.k, p.d);
   }

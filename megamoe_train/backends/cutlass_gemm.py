@@ -7,7 +7,7 @@ stores bf16; rows past group_ends[-1] are left untouched.
 - bf16: b as [G, N, K] ("nk", the forward's x @ W^T) or [G, K, N] ("kn", the dgrad's dY @ W).
 Weight gradients (`fp8_wgrad_grouped_gemm`): the rows are the K of expert g's product of two
 pool-transposed operands, out[g] = a_t[:, rows] @ b_t[:, rows]^T, 1x128 scales on both; and
-from the bf16 pool operands as stored, out[g] = a[rows]^T @ b[rows] stored bf16
+from the bf16 pool operands as stored, out[g] = a[rows]^T @ b[rows] stored bf16 or fp32
 (`bf16_wgrad_grouped_gemm`) or added in fp32 (`bf16_wgrad_grouped_gemm_accumulate`, e.g. into
 Megatron's fp32 main_grad).
 Group sizes are read on the device, so a call never syncs with the host and is capturable in a
@@ -44,6 +44,8 @@ BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32, where no expert depth is 
 # S1's 384 -4% / -7% against 0), cooperative 128x128 (0) below (S4's 256 rows: 5 is 9% slower on W1).
 BF16_WGRAD_DEEP_ROWS, BF16_WGRAD_DEEP = 320, (5, 1)
 BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
+# The stored outputs of the bf16 wgrad (csrc/cuda/grouped_gemm.h, Bf16WgradOutput), by kind.
+_BF16_WGRAD_OUTPUT = {"bf16_wgrad_store": 0, "bf16_wgrad_store_fp32": 1, "bf16_wgrad": 2}
 
 # (kind, device index, groups, variant, layout, stream) -> scratch for CUTLASS's per-group
 # argument arrays; per stream, so GEMMs queued on two streams never share one.
@@ -74,8 +76,8 @@ def _workspace(kind: str, device: torch.device, groups: int, variant: int, layou
             nbytes = _cuda.fp8_grouped_gemm_workspace_bytes(groups, variant, device.index)
         elif kind == "fp8_wgrad":
             nbytes = _cuda.fp8_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
-        elif kind in ("bf16_wgrad", "bf16_wgrad_store"):
-            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(groups, variant, kind == "bf16_wgrad", device.index)
+        elif kind in _BF16_WGRAD_OUTPUT:
+            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(groups, variant, _BF16_WGRAD_OUTPUT[kind], device.index)
         else:
             nbytes = _cuda.bf16_grouped_gemm_workspace_bytes(groups, variant, layout, device.index)
         ws = _WORKSPACES[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -100,6 +102,7 @@ _DEPTH_GROUPED = {
     "fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"),
     "bf16_wgrad": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS"),
     "bf16_wgrad_store": (BF16_WGRAD_STORE_DEFAULT, "BF16_WGRAD_VARIANTS"),
+    "bf16_wgrad_store_fp32": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS"),
 }
 
 
@@ -222,17 +225,20 @@ def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, va
 def bf16_wgrad_grouped_gemm(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):
     """Expert weight gradients from the bf16 pool operands, one K-grouped GEMM: for each expert g
     with pool rows [s, e) (s = group_ends[g-1] or 0, e = group_ends[g]),
-        out[g] = a[s:e]^T @ b[s:e]        (fp32 accumulation, stored bf16)
+        out[g] = a[s:e]^T @ b[s:e]        (fp32 accumulation, stored in out's dtype)
 
     a bf16 [P, M] (the output gradients' pool rows), b bf16 [P, N] (the inputs' pool rows), both
-    as stored (M, N multiples of 8); group_ends int32 [G], nondecreasing, at most P; out bf16
-    [G, M, N]. An expert with no rows gets zeros; group_ends is read on the device only, and a
-    group whose range is not inside [0, P] is not computed and gets NaN. Returns out."""
+    as stored (M, N multiples of 8); group_ends int32 [G], nondecreasing, at most P; out bf16 or
+    fp32 [G, M, N], never read (fp32: e.g. a main_grad whose contents are stale, written over
+    instead of zeroed and added to). An expert with no rows gets zeros; group_ends is read on the
+    device only, and a group whose range is not inside [0, P] is not computed and gets NaN.
+    Returns out."""
     return _bf16_wgrad("bf16_wgrad_grouped_gemm", a, b, group_ends, out, variant, swizzle, accumulate=False)
 
 
 def bf16_wgrad_accumulate_config(mean_rows_per_group: float) -> tuple[int, int]:
-    """(variant, swizzle) of bf16_wgrad_grouped_gemm_accumulate for experts of this mean depth."""
+    """(variant, swizzle) of bf16_wgrad_grouped_gemm_accumulate, and of bf16_wgrad_grouped_gemm
+    into fp32, for experts of this mean depth."""
     return BF16_WGRAD_DEEP if mean_rows_per_group >= BF16_WGRAD_DEEP_ROWS else BF16_WGRAD_DEFAULT
 
 
@@ -262,11 +268,14 @@ def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
     _check(fn, "a", a, torch.bfloat16, (P, M), dev)
     _check(fn, "b", b, torch.bfloat16, (P, N), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
-    _check(fn, "out", out, torch.float32 if accumulate else torch.bfloat16, (G, M, N), dev)
-    kind = "bf16_wgrad" if accumulate else "bf16_wgrad_store"
+    if accumulate:
+        kind = "bf16_wgrad"
+    else:
+        kind = "bf16_wgrad_store_fp32" if out.dtype == torch.float32 else "bf16_wgrad_store"
+    _check(fn, "out", out, torch.bfloat16 if kind == "bf16_wgrad_store" else torch.float32, (G, M, N), dev)
     variant, swizzle, stream, ws = _depth_grouped_launch(fn, kind, dict(a=a, b=b, out=out), G, variant, swizzle)
     _cuda.bf16_wgrad_grouped_gemm(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, accumulate, variant, swizzle,
-        ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, _BF16_WGRAD_OUTPUT[kind], variant,
+        swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
     )
     return out

@@ -216,10 +216,11 @@ class ReferenceExecutor:
         return out_rows, ExpertState(pool, pre_act)
 
     def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor,
-                         wgrad_accumulators=None):
+                         wgrad_targets=None):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
-        on the dequantized weights; fc1 and dH in master order [gate; up]. With wgrad_accumulators
-        (w1's, w2's) the weight gradients are added into them and None is returned for both."""
+        on the dequantized weights; fc1 and dH in master order [gate; up]. With wgrad_targets
+        (w1's, w2's main_grad.WgradTarget) the weight gradients go into them and None is returned
+        for both."""
         recipe = cfg.precision
         w1 = deinterleave_gate_up(weights.dequantize_w1(), weights.chunk)
         w2 = weights.dequantize_w2()
@@ -243,8 +244,8 @@ class ReferenceExecutor:
             # L1 wgrad; a quantized wgrad reads dH as the executor keeps it, in config.dtype
             grad_h_w = grad_h.to(cfg.dtype) if recipe.quantized_wgrad else grad_h
             grad_w1[e] = _wgrad(grad_h_w, x_in, recipe)
-        if wgrad_accumulators is not None:
-            wgrad_accumulators[0].add_(grad_w1)
-            wgrad_accumulators[1].add_(grad_w2)
+        if wgrad_targets is not None:
+            wgrad_targets[0].put(grad_w1)
+            wgrad_targets[1].put(grad_w2)
             return dx_rows, dw_rows, None, None
         return dx_rows, dw_rows, grad_w1, grad_w2

@@ -146,28 +146,32 @@ def _fp8_wgrad(recipe, grad, act, act_scales, plan: Plan):
     return _grouped_mm(a, b.t(), plan.expert_ends)
 
 
-def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, accumulator=None):
+def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, target=None):
     """grad[rows of e]^T @ (stored activation rows of e) for every expert e, as the recipe computes
-    it (fp8_e4m3_wgrad: _fp8_wgrad; else bf16 on the dequantized activations). Without an
-    accumulator it is returned (bf16 [E, ., .]); with one it is added into it and None returned:
-    in the CUTLASS GEMM's epilogue (fp32, unrounded) where built and the accumulator is fp32, else
-    by an add. Without the fusion the bf16 product is _bf16_wgrad's."""
+    it (fp8_e4m3_wgrad: _fp8_wgrad; else bf16 on the dequantized activations). Without a target
+    it is returned (bf16 [E, ., .]); with one (main_grad.WgradTarget) it goes into the target's
+    tensor, added or written over, and None is returned: in the CUTLASS GEMM's epilogue (fp32,
+    unrounded) where built and the tensor is fp32, else by an add or copy of the bf16 product."""
     recipe = cfg.precision
     if recipe.quantized_wgrad:
         wgrad = _fp8_wgrad(recipe, grad, stored, stored_scales, plan)
     else:
         inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
-        fusable = (accumulator is not None and accumulator.dtype == torch.float32 and accumulator.is_contiguous()
-                   and cutlass_gemm.takes(grad, inputs, accumulator))
+        out = None if target is None else target.tensor
+        fusable = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
+                   and cutlass_gemm.takes(grad, inputs, out))
         if fusable:
             local_experts = plan.expert_ends.shape[0]
             config = cutlass_gemm.bf16_wgrad_accumulate_config(cfg.num_max_tokens_per_rank * cfg.topk / local_experts)
-            cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, accumulator, *config)
+            if target.overwrite:  # the stale main_grad is neither read nor zeroed first
+                cutlass_gemm.bf16_wgrad_grouped_gemm(grad, inputs, plan.expert_ends, out, *config)
+            else:
+                cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, out, *config)
             return None
         wgrad = _bf16_wgrad(grad, inputs, plan)
-    if accumulator is None:
+    if target is None:
         return wgrad
-    accumulator.add_(wgrad)
+    target.put(wgrad)
     return None
 
 
@@ -335,7 +339,7 @@ class TritonExecutor:
         return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
     def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: PoolGrad,
-                         wgrad_accumulators=None):
+                         wgrad_targets=None):
         """pool_grad: pull_grad's; without its quantized rows (q None) an fp8 dgrad quantizes them here."""
         recipe, align = cfg.precision, self.row_align(cfg)
         grad_rows = pool_grad.rows
@@ -363,7 +367,7 @@ class TritonExecutor:
             K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
                                weights.chunk, cfg.activation_clamp)
             grad_x_rows = _bf16_grouped_gemm(grad_h, w1, plan, transposed=True)
-        acc_w1, acc_w2 = wgrad_accumulators if wgrad_accumulators is not None else (None, None)
-        grad_w2 = _expert_wgrad(cfg, plan, grad_rows, state.act, state.act_scales, acc_w2)
-        grad_w1 = _expert_wgrad(cfg, plan, grad_h, state.pool_x, state.pool_x_scales, acc_w1)
+        target_w1, target_w2 = wgrad_targets if wgrad_targets is not None else (None, None)
+        grad_w2 = _expert_wgrad(cfg, plan, grad_rows, state.act, state.act_scales, target_w2)
+        grad_w1 = _expert_wgrad(cfg, plan, grad_h, state.pool_x, state.pool_x_scales, target_w1)
         return grad_x_rows, grad_row_w, grad_w1, grad_w2

@@ -42,7 +42,8 @@ using BF16 = cutlass::bfloat16_t;
 using AccGrouped = GroupedGemm<BF16, cutlass::layout::RowMajor, Shape<_128, _128, _64>, Cluster,
                                cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                                cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, GroupedDim::kDepth,
-                               cutlass::layout::ColumnMajor, float>;
+                               cutlass::layout::ColumnMajor, float,
+                               cutlass::epilogue::collective::EpilogueTileAuto, /*kAccumulate=*/true>;
 
 template <class G>
 struct HostArrays {

@@ -783,3 +783,55 @@ def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
         bad = [n for n in ref if not torch.equal(got[n], ref[n])]
         assert not bad, bad
     return len(ref_s)
+
+
+def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2):
+    """megatron_patch.grad_buffers: a DDP model whose grad-buffer reset skips the fused expert
+    weights' main_grad (flagging them to be written over) gives the main_grads of one that zeroes
+    everything, bit for bit, at every step, though its expert main_grads hold NaN before each
+    step; the rest of its buffers is still zeroed. A step without a backward gets zeros from the
+    finish_grad_sync safety net."""
+    init(rank, world)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_patch.grad_buffers import fused_expert_weights, overwrite_expert_main_grads
+
+    cfg = config("bf16", moe_megamoe_fuse_wgrad_accumulation=True, moe_shared_expert_intermediate_size=64)
+    ddps = []
+    for _ in range(2):
+        m = model(cfg, seed=7)
+        ddps.append(DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m))
+    switched, plain = ddps
+    assert overwrite_expert_main_grads(switched) == 4  # 2 MoE layers x (fc1, fc2)
+    assert overwrite_expert_main_grads(switched) == 4  # idempotent
+    experts = fused_expert_weights(switched.module)
+    others = [p for p in switched.module.parameters() if p.requires_grad and all(p is not e for e in experts)]
+
+    def grads(ddp):
+        return [p.main_grad.clone() for p in ddp.module.parameters() if p.requires_grad]
+
+    for step in range(steps + 1):
+        for p in experts:  # stale values from "earlier steps": never to be read
+            p.main_grad.fill_(float("nan"))
+        for p in others:
+            p.main_grad.fill_(float("nan"))
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        assert all(p.overwrite_main_grad for p in experts)
+        assert all(not p.main_grad.isnan().any() and not p.main_grad.any() for p in others)  # zeroed
+        if step < steps:
+            for ddp in ddps:
+                for micro in range(micro_batches):
+                    tokens, pos, labels = batch(rank, seed=40 + step * micro_batches + micro)
+                    ddp(tokens, pos, None, labels=labels).float().mean().backward()
+            assert not any(p.overwrite_main_grad for p in experts)  # used up by the first backward
+        for ddp in ddps:  # the last step has no backward: the safety net zeroes the flagged weights
+            finalize_model_grads([ddp])
+        got, want = grads(switched), grads(plain)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        if step == steps:
+            assert not any(p.main_grad.any() for p in experts)
+        else:
+            assert all(p.main_grad.abs().sum() > 0 for p in experts)
+    return True

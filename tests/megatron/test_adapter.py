@@ -113,3 +113,8 @@ def test_hybrid_model_equivalence(mcore_pool):
 def test_optimizer_checkpoint_both_ways(mcore_pool, tmp_path):
     n = mcore_pool().run(cases.optimizer_checkpoint_both_ways, str(tmp_path))
     assert n[0] == n[1] > 10
+
+
+def test_expert_main_grad_written_over_instead_of_zeroed(mcore_pool):
+    """megatron_patch.grad_buffers: bit for bit the main_grads of zeroed buffers, NaN-poisoned."""
+    assert mcore_pool().run(cases.expert_main_grad_overwrite) == [True, True]

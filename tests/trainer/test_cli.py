@@ -263,6 +263,15 @@ def test_dense_wgrad_fusion_matches_ddp_accumulation(tmp_path):
     assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
 
 
+def test_expert_main_grad_overwrite_matches_zeroed_buffers(tmp_path):
+    """moe.megamoe_overwrite_main_grad (the default): DDP's reset leaves the expert main_grads
+    stale and the step's first micro-batch writes over them, the second adds: bit for bit the
+    steps of zeroed buffers (a missed overwrite would add last step's gradients)."""
+    runs = _fused_and_unfused(tmp_path, "moe.megamoe_overwrite_main_grad")
+    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
+    assert "expert main_grads written over" in runs["fused_out"] and "expert main_grads" not in runs["unfused_out"]
+
+
 def _fused_and_unfused(tmp_path, switch: str) -> dict:
     """The tiny recipe's metrics over 3 steps of 2 micro-batches, with `switch` true and false."""
     runs = {}
@@ -273,6 +282,7 @@ def _fused_and_unfused(tmp_path, switch: str) -> dict:
                                    "--set", f"{switch}={fuse}", "--set", "run.checkpoint=false"])
         assert code == 0, out + err
         runs[name] = _metrics(run)
+        runs[name + "_out"] = out
     return runs
 
 
