@@ -44,6 +44,11 @@ BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32, where no expert depth is 
 # S1's 384 -4% / -7% against 0), cooperative 128x128 (0) below (S4's 256 rows: 5 is 9% slower on W1).
 BF16_WGRAD_DEEP_ROWS, BF16_WGRAD_DEEP = 320, (5, 1)
 BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
+# Writing fp32 over main_grad, by experts' mean depth (bench_gemm wgrad_acc, 1x H200, session 27):
+# cooperative 128x256 (1) at the 1-GPU proxy's 256 rows (W2 0.505 ms vs 0.560 for 5, W1 0.899 vs
+# 1.099), ping-pong 5 at the 2-GPU proxy's 2048 (0.978 vs 1.024, 1.914 vs 1.991); the switch lies
+# between the two measured depths.
+BF16_WGRAD_STORE32_DEEP_ROWS, BF16_WGRAD_STORE32_DEEP, BF16_WGRAD_STORE32_SHALLOW = 1024, (5, 1), (1, 1)
 # The stored outputs of the bf16 wgrad (csrc/cuda/grouped_gemm.h, Bf16WgradOutput), by kind.
 _BF16_WGRAD_OUTPUT = {"bf16_wgrad_store": 0, "bf16_wgrad_store_fp32": 1, "bf16_wgrad": 2}
 
@@ -102,7 +107,7 @@ _DEPTH_GROUPED = {
     "fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"),
     "bf16_wgrad": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS"),
     "bf16_wgrad_store": (BF16_WGRAD_STORE_DEFAULT, "BF16_WGRAD_VARIANTS"),
-    "bf16_wgrad_store_fp32": (BF16_WGRAD_DEFAULT, "BF16_WGRAD_VARIANTS"),
+    "bf16_wgrad_store_fp32": (BF16_WGRAD_STORE32_SHALLOW, "BF16_WGRAD_VARIANTS"),
 }
 
 
@@ -237,9 +242,13 @@ def bf16_wgrad_grouped_gemm(a, b, group_ends, out, variant: int | None = None, s
 
 
 def bf16_wgrad_accumulate_config(mean_rows_per_group: float) -> tuple[int, int]:
-    """(variant, swizzle) of bf16_wgrad_grouped_gemm_accumulate, and of bf16_wgrad_grouped_gemm
-    into fp32, for experts of this mean depth."""
+    """(variant, swizzle) of bf16_wgrad_grouped_gemm_accumulate for experts of this mean depth."""
     return BF16_WGRAD_DEEP if mean_rows_per_group >= BF16_WGRAD_DEEP_ROWS else BF16_WGRAD_DEFAULT
+
+
+def bf16_wgrad_store32_config(mean_rows_per_group: float) -> tuple[int, int]:
+    """(variant, swizzle) of bf16_wgrad_grouped_gemm into fp32 for experts of this mean depth."""
+    return BF16_WGRAD_STORE32_DEEP if mean_rows_per_group >= BF16_WGRAD_STORE32_DEEP_ROWS else BF16_WGRAD_STORE32_SHALLOW
 
 
 def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):

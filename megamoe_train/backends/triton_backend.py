@@ -161,11 +161,12 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, target=None):
         fusable = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
                    and cutlass_gemm.takes(grad, inputs, out))
         if fusable:
-            local_experts = plan.expert_ends.shape[0]
-            config = cutlass_gemm.bf16_wgrad_accumulate_config(cfg.num_max_tokens_per_rank * cfg.topk / local_experts)
+            depth = cfg.num_max_tokens_per_rank * cfg.topk / plan.expert_ends.shape[0]  # mean rows per expert
             if target.overwrite:  # the stale main_grad is neither read nor zeroed first
+                config = cutlass_gemm.bf16_wgrad_store32_config(depth)
                 cutlass_gemm.bf16_wgrad_grouped_gemm(grad, inputs, plan.expert_ends, out, *config)
             else:
+                config = cutlass_gemm.bf16_wgrad_accumulate_config(depth)
                 cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad, inputs, plan.expert_ends, out, *config)
             return None
         wgrad = _bf16_wgrad(grad, inputs, plan)
