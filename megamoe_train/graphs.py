@@ -131,9 +131,10 @@ class GraphedMegaMoE:
             self.grad_y = torch.empty_like(x, dtype=self.buffer.config.dtype)
             self.pool = torch.cuda.graph_pool_handle()
         else:
-            self.x.copy_(x)
-            self.topk_idx.copy_(topk_idx)
-            self.topk_weights.copy_(topk_weights)
+            with torch.no_grad():  # the static inputs are leaves that require grad
+                self.x.copy_(x)
+                self.topk_idx.copy_(topk_idx)
+                self.topk_weights.copy_(topk_weights)
         dev = self.x.device
         inputs = self._grad_inputs()
         if self.fuse:  # the warm-up calls add into (or write) scratch accumulators, not main_grad
