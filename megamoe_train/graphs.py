@@ -170,6 +170,10 @@ class GraphedMegaMoE:
         with torch.cuda.graph(pair.bwd_graph, pool=self.pool):
             pair.grads = torch.autograd.grad(pair.y, inputs, self.grad_y, allow_unused=True)
         self.pairs[overwrite] = pair
+        if self.fuse and first:  # w1's and w2's placeholder gradients, shared by a second pair
+            grads = dict(zip(map(id, inputs), pair.grads))
+            for leaf in self.leaves[:2]:
+                leaf.placeholder = grads.get(id(leaf))
         self.recv_counts.zero_()  # the warm-up calls counted rows
         if first:
             self._captured_signature = _signature(x, topk_idx, topk_weights)

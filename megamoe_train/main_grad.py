@@ -56,7 +56,12 @@ def wants_overwrite(*weights: torch.Tensor) -> bool:
 def placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
     """The gradient returned for a weight whose gradient went into weight.main_grad: Megatron's
     (and Transformer Engine's) convention: grad_added_to_main_grad = True tells the gradient hook
-    not to add .grad again, so .grad is left uninitialized (zeros if zero_out_wgrad is set)."""
+    not to add .grad again, so .grad is left uninitialized (zeros if zero_out_wgrad is set).
+    A weight may carry the tensor to return (`placeholder`, graphs.py: one for both captured
+    backward graphs of a layer rather than a weight-sized tensor in each)."""
     weight.grad_added_to_main_grad = True
+    kept = getattr(weight, "placeholder", None)
+    if kept is not None:
+        return kept
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(weight.shape, dtype=weight.dtype, device=weight.device)

@@ -181,6 +181,9 @@ def graphed_fused_accumulation(rank, world, recipe):
             assert not torch.isnan(p.main_grad).any(), (step, name)
             assert torch.equal(p.main_grad, m), (step, name, rel_err(p.main_grad.cpu(), m.cpu()))
     assert graphed.replays == 5 and sorted(graphed.pairs) == [False, True]
+    for leaf in graphed.leaves[:2]:  # one placeholder gradient per weight, shared by both pairs
+        for pair in graphed.pairs.values():
+            assert leaf.placeholder.data_ptr() in {g.data_ptr() for g in pair.grads if g is not None}
 
     # A main_grad with new storage is not where the graph adds: that call runs eagerly, correctly.
     for p in (w1, w2):
