@@ -319,3 +319,70 @@ def test_triton_fused_wgrad_accumulation(rank_pools, world, recipe):
 
     cfg = dict(TRITON_BASE, recipe=recipe)
     rank_pools(world, "nccl").run(fused_wgrad_accumulation, cfg, 51, tol=1e-2)
+
+
+# ----------------------------------------------------------------------------- the quantizers' division
+
+
+def _divide_rn_kernel():
+    import triton
+    import triton.language as tl
+
+    from megamoe_train.backends.triton_kernels import divide_rn
+
+    @triton.jit
+    def kernel(x_ptr, scale_ptr, out_ptr, n_x, BLOCK: tl.constexpr):
+        s = tl.load(scale_ptr + tl.program_id(1))
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n_x)
+        q = divide_rn(x, s, tl.math.div_rn(1.0, s))
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n_x + offs, q, mask=offs < n_x)
+
+    return kernel
+
+
+def _check_division(kernel, x, scales, chunk=1024):
+    """divide_rn(x, scale) against torch's x / scale (correctly rounded), every pair: the fp32 bits,
+    and where torch's quotient is below 2^-20 (subnormal territory, far under e4m3's smallest
+    step 2^-9, where a flushed or once-rounded operand may differ in fp32) the e4m3 bits the
+    quantizers keep of it."""
+    for i in range(0, scales.numel(), chunk):
+        s = scales[i:i + chunk].contiguous()
+        out = torch.empty(s.numel(), x.numel(), device=x.device)
+        kernel[(triton_cdiv(x.numel(), 1024), s.numel())](x, s, out, x.numel(), BLOCK=1024)
+        want = x[None, :] / s[:, None]
+        same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
+        tiny = want.abs() < 2.0 ** -20
+        e4m3 = lambda t: t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)  # noqa: E731
+        same |= tiny & (e4m3(out) == e4m3(want))
+        if not bool(same.all()):
+            bad = (~same).nonzero()[0].tolist()
+            raise AssertionError(f"x={x[bad[1]].item()!r} / scale={s[bad[0]].item()!r}: {out[tuple(bad)].item()!r}, "
+                                 f"torch {want[tuple(bad)].item()!r} ({int((~same).sum())} pairs differ)")
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def test_quantizer_division_is_torchs_bit_for_bit():
+    """triton_kernels.divide_rn (the quantizers' x / scale without div_rn's per-element check):
+    every bf16 value (all 65536 bit patterns, subnormals, zeros of both signs, infinities, NaN)
+    over every scale a bf16 weight block can have (max(amax, 1e-4) / 448 for every finite
+    positive bf16 amax, and an infinite one), then 2^26 random fp32 values (wide exponents,
+    the activations' case) over random scales: torch's bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    kernel = _divide_rn_kernel()
+    bits = torch.arange(-32768, 32768, dtype=torch.int32, device=dev).to(torch.int16)
+    x = bits.view(torch.bfloat16).float()
+    amax = x[(x > 0) & x.isfinite()]
+    scales = torch.unique(torch.clamp(amax, min=1e-4) / 448.0)
+    scales = torch.cat([scales, torch.tensor([float("inf")], device=dev)])
+    _check_division(kernel, x, scales)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for _ in range(4):
+        xr = torch.randn(1 << 24, device=dev, generator=g) * torch.exp2(torch.randint(-60, 60, (1 << 24,), device=dev, generator=g).float())
+        sr = torch.clamp(torch.rand(64, device=dev, generator=g) * torch.exp2(torch.randint(-30, 30, (64,), device=dev, generator=g).float()), min=1e-4) / 448.0
+        _check_division(kernel, xr, sr, chunk=4)

@@ -11,6 +11,8 @@ host synchronization and capturable in a CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -236,15 +238,43 @@ def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, s
 # ----------------------------------------------------------------------------- fp8 rows
 
 
+# The quantizers divide every element by its block's scale, correctly rounded as torch's x / scale
+# is. Triton's div_rn is CUDA's div.rn: a slow-path check and branch per element that, in the
+# weight-prep kernel, made the pass 2.2x slower than a multiply (NOTES.md, session 27). On the GPU
+# divide_rn takes the same route as div.rn's fast path without the check: the quotient by the
+# correctly rounded reciprocal, then two FMA corrections (x - q * s is exact, and each step
+# moves q to the rounding of q + r * (x - q * s)); the check guards exponent ranges these operands
+# never reach (scales are at least 1e-4 / 448). Under the interpreter (the CPU tests) fma is a
+# multiply and an add rounded twice, so there div_rn it is: the GPU tests compare the two (and
+# every bf16 value over every scale a bf16 block can have) bit for bit.
+_FMA_DIVISION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def divide_rn(x, scale, recip):
+    """x / scale rounded to nearest even, given recip = div_rn(1, scale) (one per block, so its
+    correctly rounded division is paid per block, not per element)."""
+    if _FMA_DIVISION:
+        q0 = x * recip
+        q = tl.fma(tl.fma(-q0, scale, x), recip, q0)
+        q = tl.fma(tl.fma(-q, scale, x), recip, q)
+        # x = +-0 (and any x over an infinite scale, recip 0): the product has the quotient's sign,
+        # which the corrections (+0 remainders) would drop
+        return tl.where(q0 == 0, q0, q)
+    else:
+        return tl.math.div_rn(x, scale)
+
+
 @triton.jit
 def _e4m3_blocks(v):
     """quant.py's fp8 rounding of fp32 rows v [R, 128], one 1x128 block per row -> (e4m3 [R, 128],
     fp32 scale [R]): scale = max(amax, 1e-4) / 448, then v / scale clamped to +-448 and cast
-    (round to nearest even). Both divisions are correctly rounded (div_rn) like torch's: Triton's
-    plain fp32 `/` is an approximate division and would change bits."""
+    (round to nearest even). Both divisions are correctly rounded like torch's (div_rn, divide_rn):
+    Triton's plain fp32 `/` is an approximate division and would change bits."""
     amax = tl.max(tl.abs(v), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.zeros_like(amax) + 448.0)
-    q = tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape))
+    recip = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    q = divide_rn(v, tl.broadcast_to(scale[:, None], v.shape), tl.broadcast_to(recip[:, None], v.shape))
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     return q.to(tl.float8e4nv), scale
 

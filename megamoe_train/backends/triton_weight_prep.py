@@ -9,7 +9,8 @@ master-order weight in a compute dtype (the copies a bf16 backward reads).
 
 Both are bit for bit what quant.quantize_weight / quant.dequantize_weight and the torch gate/up
 (de)interleave give: scale = max(amax, 1e-4) / 448 and data = x / scale with correctly rounded
-divisions (tl.math.div_rn; Triton's `/` is approximate), clamp to +-448, round to nearest even.
+divisions (tl.math.div_rn and triton_kernels.divide_rn; Triton's `/` is approximate), clamp to
++-448, round to nearest even.
 
 CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, used by the tests). Its
 float casts do not round to nearest even (triton 3.8: fp32 -> bf16 truncates, fp8 rounds ties up),
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import quant
+from .triton_kernels import divide_rn
 
 # Kernels may only read constexpr globals.
 _E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
@@ -158,7 +160,7 @@ def _quantize_blocks_kernel(
     # anywhere makes the block NaN, as torch's amax / clamp_min do (float max skips NaN).
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX)
-    y = tl.math.div_rn(x, scale)
+    y = divide_rn(x, scale, tl.math.div_rn(1.0, scale))  # (triton_kernels.divide_rn: why not div_rn)
     y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
     q = _e4m3_bits(y, SOFT_CAST)
