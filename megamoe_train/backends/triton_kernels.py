@@ -253,7 +253,9 @@ _FMA_DIVISION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 @triton.jit
 def divide_rn(x, scale, recip):
     """x / scale rounded to nearest even, given recip = div_rn(1, scale) (one per block, so its
-    correctly rounded division is paid per block, not per element)."""
+    correctly rounded division is paid per block, not per element). For the quantizers' operands:
+    |x| at most the block's amax, so |x / scale| <= 448 (a quotient near fp32's overflow would
+    overflow the corrections)."""
     if _FMA_DIVISION:
         q0 = x * recip
         q = tl.fma(tl.fma(-q0, scale, x), recip, q0)

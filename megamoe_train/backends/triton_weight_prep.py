@@ -220,15 +220,15 @@ def _check_tiling(name: str, shape: torch.Size, device: torch.device, block: tup
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk: int | None = None,
-                    num_warps: int = 16):
+                    num_warps: int = 4):
     """Quantize w [E, N, K] to e4m3 with fp32 scales per `block` (rows, cols) in one pass.
 
     Returns (data, scales, data_t, scales_t): data [E, N, K] e4m3 and scales [E, N/bn, K/bk] in
     kernel layout (with chunk: gate/up interleaved in chunks of `chunk` rows, else master order);
     data_t [E, K, N] and scales_t [E, K/bk, N/bn]: the master-order data and scales transposed.
-    num_warps 16: for sm90, bf16 masters, a 128 x 128 block then needs 63 registers per thread
-    with triton 3.8 (two blocks per SM), 95 with triton 3.6 (one); 32 warps: 46 / 59. Which is
-    fastest is for benchmarks/bench_weight_prep.py (it sweeps num_warps) to say.
+    num_warps 4: the fastest at S1 on an H200 since the division is divide_rn (5.94 ms against
+    6.91 for 16 warps, 7.1 for 8 and 32; session 27, benchmarks/bench_weight_prep.py sweeps it);
+    with div_rn 16 warps had been the fastest.
     """
     if w.dtype not in master_dtypes(w.device):
         raise ValueError(f"weight: expected one of {master_dtypes(w.device)} on {w.device.type}, got {w.dtype}")
