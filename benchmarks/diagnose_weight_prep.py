@@ -22,18 +22,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import hbm_bandwidth, median_ms  # noqa: E402
 
 from megamoe_train.backends import triton_weight_prep as W  # noqa: E402
+from megamoe_train.backends.triton_weight_prep import _block_ids  # noqa: E402
 
 
 @triton.jit
 def diag_kernel(src, stride_e, stride_n, stride_k, data, scales, data_t, scales_t, N, K,
                 STORE: tl.constexpr, STORE_T: tl.constexpr, EXACT: tl.constexpr, AMAX: tl.constexpr,
                 TRANS_Y: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    k_blocks = K // BLOCK_K
-    n_blocks = N // BLOCK_N
-    kb = pid % k_blocks
-    nb = (pid // k_blocks) % n_blocks
-    e = (pid // (k_blocks * n_blocks)).to(tl.int64)
+    e, nb, kb, n_blocks, k_blocks = _block_ids(N, K, BLOCK_N, BLOCK_K)  # the production kernel's blocks
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_K)
     block = src + e * stride_e + (nb * BLOCK_N).to(tl.int64) * stride_n + (kb * BLOCK_K).to(tl.int64) * stride_k
