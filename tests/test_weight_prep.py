@@ -118,11 +118,12 @@ def test_kernel_matches_torch_on_gpu(shape, dtype):
 
 @pytest.mark.gpu
 def test_kernel_edge_cases_on_gpu():
-    from weight_prep_cases import check_chunk_and_strides, check_every_rounding, check_nan_block
+    from weight_prep_cases import check_chunk_and_strides, check_every_rounding, check_nan_block, check_rows_per_step
 
     check_every_rounding("cuda")
     check_nan_block("cuda")
     check_chunk_and_strides("cuda")
+    check_rows_per_step("cuda", rows=(16, 32, 64))
 
 
 @pytest.mark.gpu

@@ -147,11 +147,36 @@ def check_nan_block(device="cpu") -> None:
     assert_same_bits(data[..., 128:], ref_data[..., 128:], "data beside a NaN block")
 
 
+def check_rows_per_step(device="cpu", rows=(32, 64)) -> None:
+    """quantize_blocks a few rows of a block at a time: the whole block's bits (and torch's), with
+    a chunk, a NaN block and a strided master weight."""
+    from megamoe_train.backends.triton_weight_prep import quantize_blocks
+
+    base = master_weight(2, 512, 256, _dtypes(device)[-1], seed=11, device=device)
+    base[1, 130, 7] = float("nan")
+    for w, chunk in ((base, 128), (base.transpose(1, 2), None)):
+        want = quantize_blocks(w, chunk=chunk)
+        ref_data, _ = quantize_weight(w, FP8)
+        assert_same_bits(want[2], ref_data.mT.contiguous(), "data_t")
+        for r in rows:
+            got = poisoned(quantize_blocks, w, chunk=chunk, rows_per_step=r)
+            for name, a, b in zip(("data", "scales", "data_t", "scales_t"), got, want):
+                assert_same_bits(a, b, f"{name}, {r} rows per step, chunk {chunk}")
+    for bad in (0, 48, 256):
+        try:
+            quantize_blocks(base, rows_per_step=bad)
+        except ValueError as e:
+            assert "rows_per_step" in str(e)
+        else:
+            raise AssertionError(f"rows_per_step={bad} accepted")
+
+
 def run_interpreter_cases() -> None:
     """Small shapes for the CPU interpreter (slow: numpy per program)."""
     check_every_rounding()
     check_nan_block()
     check_chunk_and_strides()
+    check_rows_per_step()
     check_expert_weights(2, 256, 384, torch.float32, seed=1)  # non-square: w1 [512, 384], w2 [384, 256]
     check_expert_weights(2, 384, 256, torch.bfloat16, seed=2)
 

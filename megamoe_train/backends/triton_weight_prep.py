@@ -145,9 +145,11 @@ def _quantize_blocks_kernel(
     data, scales, data_t, scales_t,
     N, K, half_blocks, chunk_blocks,
     GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CAST: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """One program per weight block: read it once, write it quantized twice (kernel layout,
-    transposed master order) with its scale."""
+    """One program per weight block: read it, write it quantized twice (kernel layout, transposed
+    master order) with its scale. ROWS < BLOCK_N: the quantization and both stores go ROWS rows at
+    a time, each chunk read again (from L2) after the block's amax, so fewer values are live."""
     e, nb, kb, n_blocks, k_blocks = _block_ids(N, K, BLOCK_N, BLOCK_K)
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_K)
@@ -160,19 +162,34 @@ def _quantize_blocks_kernel(
     # anywhere makes the block NaN, as torch's amax / clamp_min do (float max skips NaN).
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX)
-    y = divide_rn(x, scale, tl.math.div_rn(1.0, scale))  # (triton_kernels.divide_rn: why not div_rn)
-    y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    q = _e4m3_bits(y, SOFT_CAST)
+    recip = tl.math.div_rn(1.0, scale)
 
     kernel_nb = _kernel_row_block(nb, half_blocks, chunk_blocks, GATE_UP)
     base = e * N * K
     out = data + base + (kernel_nb * BLOCK_N).to(tl.int64) * K + kb * BLOCK_K
-    tl.store(out + r[:, None] * K + c[None, :], q)
-    tl.store(scales + (e * n_blocks + kernel_nb) * k_blocks + kb, scale)
     out_t = data_t + base + (kb * BLOCK_K).to(tl.int64) * N + nb * BLOCK_N
-    tl.store(out_t + c[:, None] * N + r[None, :], tl.trans(q))
+    tl.store(scales + (e * n_blocks + kernel_nb) * k_blocks + kb, scale)
     tl.store(scales_t + (e * k_blocks + kb) * n_blocks + nb, scale)
+    if ROWS == BLOCK_N:
+        q = _quantize_values(x, scale, recip, SOFT_CAST)
+        tl.store(out + r[:, None] * K + c[None, :], q)
+        tl.store(out_t + c[:, None] * N + r[None, :], tl.trans(q))
+    else:
+        rr = tl.arange(0, ROWS)
+        for r0 in tl.static_range(0, BLOCK_N, ROWS):
+            xr = tl.load(block + (r0 + rr)[:, None] * stride_n + c[None, :] * stride_k).to(tl.float32)
+            q = _quantize_values(xr, scale, recip, SOFT_CAST)
+            tl.store(out + (r0 + rr)[:, None] * K + c[None, :], q)
+            tl.store(out_t + c[:, None] * N + (r0 + rr)[None, :], tl.trans(q))
+
+
+@triton.jit
+def _quantize_values(x, scale, recip, SOFT_CAST: tl.constexpr):
+    """x / scale (triton_kernels.divide_rn: why not div_rn), clamped to +-448, as e4m3 bits."""
+    y = divide_rn(x, scale, recip)
+    y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return _e4m3_bits(y, SOFT_CAST)
 
 
 @triton.jit
@@ -220,7 +237,7 @@ def _check_tiling(name: str, shape: torch.Size, device: torch.device, block: tup
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk: int | None = None,
-                    num_warps: int = 4):
+                    num_warps: int = 4, rows_per_step: int | None = None):
     """Quantize w [E, N, K] to e4m3 with fp32 scales per `block` (rows, cols) in one pass.
 
     Returns (data, scales, data_t, scales_t): data [E, N, K] e4m3 and scales [E, N/bn, K/bk] in
@@ -228,7 +245,8 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     data_t [E, K, N] and scales_t [E, K/bk, N/bn]: the master-order data and scales transposed.
     num_warps 4: the fastest at S1 on an H200 since the division is divide_rn (5.94 ms against
     6.91 for 16 warps, 7.1 for 8 and 32; session 27, benchmarks/bench_weight_prep.py sweeps it);
-    with div_rn 16 warps had been the fastest.
+    with div_rn 16 warps had been the fastest. rows_per_step (a power of two dividing the block's
+    rows; None = all): how many rows of a block are quantized and stored at a time.
     """
     if w.dtype not in master_dtypes(w.device):
         raise ValueError(f"weight: expected one of {master_dtypes(w.device)} on {w.device.type}, got {w.dtype}")
@@ -238,6 +256,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     if max(w.stride(1), w.stride(2)) * max(block) >= 2**31:
         w = w.contiguous()  # offsets inside a block are 32-bit
     half_blocks, chunk_blocks = _gate_up_blocks(N, block_n, chunk)
+    rows = block_n if rows_per_step is None else rows_per_step
+    if rows <= 0 or rows & (rows - 1) or block_n % rows:
+        raise ValueError(f"rows_per_step: {rows_per_step} must be a power of two dividing the block's {block_n} rows")
     data = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w.device)
     data_t = torch.empty(E, K, N, dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty(E, N // block_n, K // block_k, dtype=torch.float32, device=w.device)
@@ -247,7 +268,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
         w, *w.stride(), data.view(torch.uint8), scales, data_t.view(torch.uint8), scales_t,
         N, K, half_blocks, chunk_blocks,
         GATE_UP=chunk is not None, BLOCK_N=block_n, BLOCK_K=block_k, SOFT_CAST=w.device.type == "cpu",
-        num_warps=num_warps,
+        ROWS=rows, num_warps=num_warps,
     )
     return data, scales, data_t, scales_t
 
