@@ -9,7 +9,7 @@ per-rank expert weights, S1 (E_local 128, H 4096, I 2048) and S4 (E_local 128, H
                  (no FP8 dgrad operands);
   torch          quantize_expert_weights(use_kernel=False): the same plus w1_t / w2_t;
   kernel         quantize_expert_weights on CUDA: the Triton kernel, one pass per weight
-                 (also swept over num_warps);
+                 (also swept over rows_per_step and num_warps);
   copies         compute_copies(bf16), the master-order bf16 weights a bf16 backward reads:
                  torch (dequantize + deinterleave + cast) vs the fused kernel.
 Floors: bytes read + written over the HBM bandwidth measured in the same run (a 4 GiB
@@ -166,9 +166,12 @@ def fp8(args):
             row("transform, torch with w1_t/w2_t (use_kernel=False)",
                           lambda: quantize_expert_weights(w1, w2, cfg, use_kernel=False), floor_kernel)
             t_kernel = row("transform, kernel (default)", lambda: quantize_expert_weights(w1, w2, cfg), floor_kernel)
-            for nw in args.num_warps:
-                row(f"  kernel num_warps={nw}", lambda nw=nw: (K.quantize_blocks(w1, chunk=chunk, num_warps=nw),
-                                                            K.quantize_blocks(w2, num_warps=nw)), floor_kernel)
+            for rows in args.rows_per_step:
+                steps = None if rows == 0 else rows
+                for nw in args.num_warps:
+                    row(f"  kernel rows_per_step={rows or 'all'} num_warps={nw}",
+                        lambda nw=nw, steps=steps: (K.quantize_blocks(w1, chunk=chunk, num_warps=nw, rows_per_step=steps),
+                                                    K.quantize_blocks(w2, num_warps=nw, rows_per_step=steps)), floor_kernel)
             if first_dtype:  # the copies read the e4m3 weights: the same work whatever the masters
                 c_torch = row("compute_copies(bf16), torch", lambda: dataclasses.replace(ours).compute_copies(torch.bfloat16, use_kernel=False), floor_copies)
                 c_kernel = row("compute_copies(bf16), kernel (default)", lambda: dataclasses.replace(ours).compute_copies(torch.bfloat16), floor_copies)
@@ -189,6 +192,8 @@ def main():
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["S1", "S4"], help="fp8 mode")
     ap.add_argument("--master-dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="fp8 mode")
     ap.add_argument("--num-warps", nargs="+", type=int, default=[4, 8, 16, 32], help="fp8 mode: kernel sweep")
+    ap.add_argument("--rows-per-step", nargs="+", type=int, default=[64, 32, 0],
+                    help="fp8 mode: kernel sweep of quantize_blocks' rows_per_step (0 = the whole block at once)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--experts", type=int, default=128, help="adapter mode: local experts per GPU")
     ap.add_argument("--hidden", type=int, default=2048, help="adapter mode")

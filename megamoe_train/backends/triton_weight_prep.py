@@ -237,16 +237,17 @@ def _check_tiling(name: str, shape: torch.Size, device: torch.device, block: tup
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk: int | None = None,
-                    num_warps: int = 4, rows_per_step: int | None = None):
+                    num_warps: int = 8, rows_per_step: int | None = 64):
     """Quantize w [E, N, K] to e4m3 with fp32 scales per `block` (rows, cols) in one pass.
 
     Returns (data, scales, data_t, scales_t): data [E, N, K] e4m3 and scales [E, N/bn, K/bk] in
     kernel layout (with chunk: gate/up interleaved in chunks of `chunk` rows, else master order);
     data_t [E, K, N] and scales_t [E, K/bk, N/bn]: the master-order data and scales transposed.
-    num_warps 4: the fastest at S1 on an H200 since the division is divide_rn (5.94 ms against
-    6.91 for 16 warps, 7.1 for 8 and 32; session 27, benchmarks/bench_weight_prep.py sweeps it);
-    with div_rn 16 warps had been the fastest. rows_per_step (a power of two dividing the block's
-    rows; None = all): how many rows of a block are quantized and stored at a time.
+    rows_per_step (a power of two dividing the block's rows; None = all): how many rows of a block
+    are quantized and stored at a time, after the whole block's amax. Defaults: 64 rows with 8
+    warps, the fastest on an H200 (session 27: S1's w1 3.00 ms against 3.79 for whole blocks at 4
+    warps, the best whole-block setting, w2 1.44 against 1.93, the proxy's -20%; 16 rows lost, 32
+    was within 3-10% of 64). benchmarks/bench_weight_prep.py sweeps num_warps.
     """
     if w.dtype not in master_dtypes(w.device):
         raise ValueError(f"weight: expected one of {master_dtypes(w.device)} on {w.device.type}, got {w.dtype}")
