@@ -41,8 +41,11 @@ FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
 BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32, where no expert depth is given
 # Accumulating into fp32 by experts' mean depth (pool rows per expert): ping-pong with C prefetched a
 # tile ahead (5) from 320 rows (bench_gemm wgrad_acc, 1x H200: proxy's 512 rows W2 -14% / W1 -4%,
-# S1's 384 -4% / -7% against 0), cooperative 128x128 (0) below (S4's 256 rows: 5 is 9% slower on W1).
+# S1's 384 -4% / -7% against 0), cooperative 128x128 (0) below (S4's 256 rows: 5 is 9% slower on W1),
+# ping-pong with the builder's buffers (2) from 1024 (session 27, 2048 rows: W2 1.016 vs 1.089 ms,
+# W1 2.073 vs 2.195; the switch lies between the measured 512 and 2048).
 BF16_WGRAD_DEEP_ROWS, BF16_WGRAD_DEEP = 320, (5, 1)
+BF16_WGRAD_DEEPER_ROWS, BF16_WGRAD_DEEPER = 1024, (2, 1)
 BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
 # Writing fp32 over main_grad, by experts' mean depth (bench_gemm wgrad_acc, 1x H200, session 27):
 # cooperative 128x256 (1) at the 1-GPU proxy's 256 rows (W2 0.505 ms vs 0.560 for 5, W1 0.899 vs
@@ -243,6 +246,8 @@ def bf16_wgrad_grouped_gemm(a, b, group_ends, out, variant: int | None = None, s
 
 def bf16_wgrad_accumulate_config(mean_rows_per_group: float) -> tuple[int, int]:
     """(variant, swizzle) of bf16_wgrad_grouped_gemm_accumulate for experts of this mean depth."""
+    if mean_rows_per_group >= BF16_WGRAD_DEEPER_ROWS:
+        return BF16_WGRAD_DEEPER
     return BF16_WGRAD_DEEP if mean_rows_per_group >= BF16_WGRAD_DEEP_ROWS else BF16_WGRAD_DEFAULT
 
 
