@@ -785,12 +785,13 @@ def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
     return len(ref_s)
 
 
-def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2):
+def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2, distributed_optimizer=False, overlap_grad_reduce=False):
     """megatron_patch.grad_buffers: a DDP model whose grad-buffer reset skips the fused expert
     weights' main_grad (flagging them to be written over) gives the main_grads of one that zeroes
     everything, bit for bit, at every step, though its expert main_grads hold NaN before each
     step; the rest of its buffers is still zeroed. A step without a backward gets zeros from the
-    finish_grad_sync safety net."""
+    finish_grad_sync safety net. Optionally with the distributed optimizer's buffers and DDP's
+    overlapped reduction (buckets reduced from the backward's hooks)."""
     init(rank, world)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -801,7 +802,9 @@ def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2):
     ddps = []
     for _ in range(2):
         m = model(cfg, seed=7)
-        ddps.append(DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m))
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                                use_distributed_optimizer=distributed_optimizer)
+        ddps.append(DistributedDataParallel(cfg, ddp_cfg, m))
     switched, plain = ddps
     assert overwrite_expert_main_grads(switched) == 4  # 2 MoE layers x (fc1, fc2)
     assert overwrite_expert_main_grads(switched) == 4  # idempotent
@@ -811,7 +814,9 @@ def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2):
     def grads(ddp):
         return [p.main_grad.clone() for p in ddp.module.parameters() if p.requires_grad]
 
-    for step in range(steps + 1):
+    # a last step without a backward (the safety net), where megatron allows one: with overlapped
+    # reduction its finish_grad_sync requires every bucket's reduction issued by the backward
+    for step in range(steps + (0 if overlap_grad_reduce else 1)):
         for p in experts:  # stale values from "earlier steps": never to be read
             p.main_grad.fill_(float("nan"))
         for p in others:
@@ -830,7 +835,7 @@ def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2):
             finalize_model_grads([ddp])
         got, want = grads(switched), grads(plain)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
-        if step == steps:
+        if step == steps:  # no backward: zeros
             assert not any(p.main_grad.any() for p in experts)
         else:
             assert all(p.main_grad.abs().sum() > 0 for p in experts)

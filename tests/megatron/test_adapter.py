@@ -115,6 +115,7 @@ def test_optimizer_checkpoint_both_ways(mcore_pool, tmp_path):
     assert n[0] == n[1] > 10
 
 
-def test_expert_main_grad_written_over_instead_of_zeroed(mcore_pool):
+@pytest.mark.parametrize("ddp", ["plain", "distopt-overlap"])
+def test_expert_main_grad_written_over_instead_of_zeroed(mcore_pool, ddp):
     """megatron_patch.grad_buffers: bit for bit the main_grads of zeroed buffers, NaN-poisoned."""
-    assert mcore_pool().run(cases.expert_main_grad_overwrite) == [True, True]
+    assert mcore_pool().run(cases.expert_main_grad_overwrite, **DDP_VARIANTS[ddp]) == [True, True]
