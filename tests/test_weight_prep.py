@@ -123,7 +123,7 @@ def test_kernel_edge_cases_on_gpu():
     check_every_rounding("cuda")
     check_nan_block("cuda")
     check_chunk_and_strides("cuda")
-    check_rows_per_step("cuda", rows=(16, 32, 64))
+    check_rows_per_step("cuda", rows=(None, 16, 32, 64))
 
 
 @pytest.mark.gpu

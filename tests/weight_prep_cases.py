@@ -147,9 +147,9 @@ def check_nan_block(device="cpu") -> None:
     assert_same_bits(data[..., 128:], ref_data[..., 128:], "data beside a NaN block")
 
 
-def check_rows_per_step(device="cpu", rows=(32, 64)) -> None:
-    """quantize_blocks a few rows of a block at a time: the whole block's bits (and torch's), with
-    a chunk, a NaN block and a strided master weight."""
+def check_rows_per_step(device="cpu", rows=(None, 32, 64)) -> None:
+    """quantize_blocks a few rows of a block at a time, or the whole block at once (None): the
+    default's bits (and torch's), with a chunk, a NaN block and a strided master weight."""
     from megamoe_train.backends.triton_weight_prep import quantize_blocks
 
     base = master_weight(2, 512, 256, _dtypes(device)[-1], seed=11, device=device)
