@@ -217,18 +217,16 @@ def wgrad_acc_case(groups, rows_per_group, m, n, dev):
     times, errors = {}, {}
     ref = torch._grouped_mm(a.t(), b, offs=ends).float()
     if cutlass_gemm.available(dev):
-        for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
-            label = f"cutlass_acc v{variant}"
-            main_grad.zero_()
-            cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, main_grad, variant)
-            errors[label] = float((main_grad - ref).norm() / ref.norm())
-            times[label] = bench(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(a, b, ends, main_grad, variant))
-        for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
-            label = f"cutlass_store32 v{variant}"
-            main_grad.fill_(float("nan"))  # written over: never read
-            cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, main_grad, variant)
-            errors[label] = float((main_grad - ref).norm() / ref.norm())
-            times[label] = bench(lambda: cutlass_gemm.bf16_wgrad_grouped_gemm(a, b, ends, main_grad, variant))
+        # added into zeros; written over NaN (never read)
+        kinds = (("cutlass_acc", cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, 0.0),
+                 ("cutlass_store32", cutlass_gemm.bf16_wgrad_grouped_gemm, float("nan")))
+        for prefix, gemm, start in kinds:
+            for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
+                label = f"{prefix} v{variant}"
+                main_grad.fill_(start)
+                gemm(a, b, ends, main_grad, variant)
+                errors[label] = float((main_grad - ref).norm() / ref.norm())
+                times[label] = bench(lambda: gemm(a, b, ends, main_grad, variant))
         times["zero_"] = bench(lambda: main_grad.zero_())  # DDP's reset of main_grad, which the store makes unneeded
     del ref
     times["torch_bf16+add"] = bench(lambda: main_grad.add_(torch._grouped_mm(a.t(), b, offs=ends)))

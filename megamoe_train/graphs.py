@@ -118,12 +118,12 @@ class GraphedMegaMoE:
         """Captures the forward/backward pair for this main_grad mode; the first capture also
         makes the static inputs, the leaves and the weight-preparation graph."""
         first = self.leaves is None
+        dev = x.device
         if first:
             # The graphs differentiate leaves that alias the parameters' storage, not the parameters:
             # a parameter's gradient-accumulation node can outlive iterations (Megatron's DDP keeps
             # it) on the stream it was made on, and autograd would join that stream into the capture.
             self.leaves = tuple(None if w is None else w.detach().requires_grad_(w.requires_grad) for w in self.weights)
-            dev = x.device
             self.x = x.detach().clone().requires_grad_(x.requires_grad)
             self.topk_idx = topk_idx.detach().clone()
             self.topk_weights = topk_weights.detach().clone().requires_grad_(topk_weights.requires_grad)
@@ -135,7 +135,6 @@ class GraphedMegaMoE:
                 self.x.copy_(x)
                 self.topk_idx.copy_(topk_idx)
                 self.topk_weights.copy_(topk_weights)
-        dev = self.x.device
         inputs = self._grad_inputs()
         if self.fuse:  # the warm-up calls add into (or write) scratch accumulators, not main_grad
             for leaf, w in zip(self.leaves[:2], self.weights[:2]):

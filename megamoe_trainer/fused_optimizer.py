@@ -239,20 +239,25 @@ class _AdamWWritingModelParams:
         return copy
 
 
-def _model_params_kernel_fits(mo, adam) -> bool:
+def _model_params_for_kernel(mo, adam) -> dict | None:
+    """id(main param) -> its bf16 model param for every pair of megatron optimizer `mo`, where the
+    kernel can step `adam` (torch's fused, decoupled-decay AdamW over contiguous fp32 CUDA params,
+    contiguous model params of the same size); None where it cannot."""
     for group in adam.param_groups:
         if (not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("differentiable")
                 or not group.get("decoupled_weight_decay", isinstance(adam, torch.optim.AdamW))
                 or isinstance(group["lr"], torch.Tensor)):
-            return False
+            return None
         for p in group["params"]:
             if p.device.type != "cuda" or p.dtype != torch.float32 or not p.is_contiguous():
-                return False
+                return None
+    model_params = {}
     for model_group, main_group in zip(mo.float16_groups, mo.fp32_from_float16_groups):
         for model_param, main_param in zip(model_group, main_group):
             if not model_param.is_contiguous() or model_param.numel() != main_param.numel():
-                return False
-    return True
+                return None
+            model_params[id(main_param)] = model_param
+    return model_params
 
 
 def use_adam_writing_model_params(optimizer) -> int:
@@ -270,12 +275,11 @@ def use_adam_writing_model_params(optimizer) -> int:
         if type(mo) is not Float16OptimizerWithFloat16Params or mo.is_stub_optimizer:
             continue  # the distributed optimizer copies into DDP's param buffer: not this path
         adam = mo.optimizer
-        if "step" in adam.__dict__ or not isinstance(adam, torch.optim.Adam) or not _model_params_kernel_fits(mo, adam):
+        if "step" in adam.__dict__ or not isinstance(adam, torch.optim.Adam):
             continue
-        model_params = {}
-        for model_group, main_group in zip(mo.float16_groups, mo.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_params[id(main_param)] = model_param
+        model_params = _model_params_for_kernel(mo, adam)
+        if model_params is None:
+            continue
         stepper = _AdamWWritingModelParams(adam, model_params)
         adam.step = stepper.step
         mo._copy_main_params_to_model_params = stepper.copy_main_to_model(mo._copy_main_params_to_model_params)

@@ -162,6 +162,8 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron_patch.grad_buffers import overwrites_expert_main_grads
+
     from .flops import train_flops_per_token
     from .fused_optimizer import writes_model_params
     from .model import count_params
@@ -189,7 +191,7 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
             f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
             f"attention {m.attention} | "
             f"{'AdamW kernel writes the bf16 params | ' if writes_model_params(optimizer) else ''}"
-            f"{'expert main_grads written over, not zeroed | ' if getattr(model, '_megamoe_overwrite', None) else ''}"
+            f"{'expert main_grads written over, not zeroed | ' if overwrites_expert_main_grads(model) else ''}"
             f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .experts import MegaMoEExperts
 
-__all__ = ["fused_expert_weights", "overwrite_expert_main_grads"]
+__all__ = ["fused_expert_weights", "overwrite_expert_main_grads", "overwrites_expert_main_grads"]
 
 
 def fused_expert_weights(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -92,3 +92,8 @@ def overwrite_expert_main_grads(ddp_model) -> int:
 
     ddp_model.finish_grad_sync = finish_grad_sync
     return len(switched)
+
+
+def overwrites_expert_main_grads(ddp_model) -> bool:
+    """Whether overwrite_expert_main_grads switched any of this DDP model's expert weights."""
+    return bool(getattr(ddp_model, "_megamoe_overwrite", None))
