@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, resolve_backend
-from .main_grad import placeholder_grad, take_targets
+from .main_grad import overwrite_done, placeholder_grad, wgrad_targets
 from .symm_buffer import SymmBuffer
 from .validation import check_inputs
 from .weights import ExpertWeights, transform_weights
@@ -33,11 +33,12 @@ class MegaMoEFunction(torch.autograd.Function):
         fused = ctx.fused_weights
         grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
             buffer, ctx.saved, grad_y, ctx.weights, ctx.shared,
-            wgrad_targets=None if fused is None else take_targets(*fused),
+            wgrad_targets=None if fused is None else wgrad_targets(*fused),
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
         ctx.saved = ctx.fused_weights = None
         if fused is not None:  # in main_grad already: Megatron's convention for that
+            overwrite_done(*fused)
             grad_w1, grad_w2 = (placeholder_grad(w) for w in fused)
         return (
             grad_x,

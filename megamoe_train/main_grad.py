@@ -36,13 +36,17 @@ class WgradTarget(NamedTuple):
             self.tensor.add_(grad)
 
 
-def take_targets(*weights: torch.Tensor) -> tuple[WgradTarget, ...]:
-    """The weights' main_grad targets for one backward; an overwrite request is used up here."""
-    targets = []
+def wgrad_targets(*weights: torch.Tensor) -> tuple[WgradTarget, ...]:
+    """The weights' main_grad targets for one backward. The overwrite requests stay until
+    `overwrite_done`, called once the backward has run: a backward that raises before writing
+    leaves them, so the retried micro-batch still writes over the stale main_grad."""
+    return tuple(WgradTarget(w.main_grad, bool(getattr(w, "overwrite_main_grad", False))) for w in weights)
+
+
+def overwrite_done(*weights: torch.Tensor) -> None:
+    """The weights' gradients are in main_grad: later backwards of the step add to them."""
     for w in weights:
-        targets.append(WgradTarget(w.main_grad, bool(getattr(w, "overwrite_main_grad", False))))
         w.overwrite_main_grad = False
-    return tuple(targets)
 
 
 def wants_overwrite(*weights: torch.Tensor) -> bool:

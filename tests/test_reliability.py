@@ -67,6 +67,33 @@ def test_skipped_backward_raises_on_every_rank(rank_pools):
     rank_pools(2).run(one_rank_skips_backward)
 
 
+def skipped_backward_keeps_the_overwrite_request(rank, world):
+    """A fused backward that raises (its peer skipped it) writes nothing into main_grad and keeps
+    the weights' overwrite request (main_grad.py), so the retried micro-batch still writes over
+    the stale main_grad instead of adding to it."""
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
+    buf = get_symm_buffer(None, cfg)
+    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    for w in (w1, w2):
+        w.main_grad = torch.full(w.shape, 7.0)
+        w.overwrite_main_grad = True
+    x = prob["x"][rank].clone().requires_grad_()
+    y = mega_moe(x, prob["idx"][rank], prob["w"][rank], w1, w2, buf, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match="different calls"):
+        if rank == 0:
+            (y * prob["gy"][rank]).sum().backward()
+        else:  # rank 1 skips its backward and goes on with the next forward
+            mega_moe(x.detach(), prob["idx"][rank], prob["w"][rank], w1.detach(), w2.detach(), buf)
+    for name, w in (("w1", w1), ("w2", w2)):
+        assert w.overwrite_main_grad is True, name
+        assert torch.equal(w.main_grad, torch.full(w.shape, 7.0)), name
+    buf.destroy()
+
+
+def test_failed_backward_keeps_the_overwrite_request(rank_pools):
+    rank_pools(2).run(skipped_backward_keeps_the_overwrite_request)
+
+
 def same_order_still_matches(rank, world):
     """Two layers on one buffer, called in the same order everywhere, forward and backward."""
     cfg, prob, w1, w2 = _rank_inputs(rank, world, seed=9)
