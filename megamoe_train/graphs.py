@@ -1,4 +1,5 @@
-"""mega_moe replayed from CUDA graphs: one captured forward and one captured backward per layer.
+"""mega_moe replayed from CUDA graphs: one captured forward and one captured backward per layer
+(and a second pair for written-over main_grads, below).
 
 Why: an eager mega_moe call issues ~100 kernels and torch ops from Python (publish, status
 exchange, the plan's sorts and scatters, Triton launches, the GEMMs). At the training proxy's

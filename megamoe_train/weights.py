@@ -2,9 +2,10 @@
 
 Megatron stores fc1 as [2*I, H] with every gate row first and every up row after. The
 quantized L1 GEMMs instead want gate and up rows interleaved in chunks, so one N-tile holds
-matching gate and up columns and SwiGLU can run in its epilogue. Quantization happens in the
-master order first, so a block's scale is the same whichever layout it is read in; the data
-and its scales are then interleaved together.
+matching gate and up columns (the executors run SwiGLU as a pass of its own, reading the
+interleaved columns, not in the GEMM's epilogue). Quantization happens in the master order
+first, so a block's scale is the same whichever layout it is read in; the data and its scales
+are then interleaved together.
 
 Unquantized recipes (bf16) keep the master order (one chunk of width I: SwiGLU runs as its own
 pass, so no interleave is needed) and read the parameter's own storage when its dtype is the

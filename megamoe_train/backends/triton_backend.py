@@ -13,7 +13,8 @@
   weights ExpertWeights.w2_t / w1_t); the wgrads bf16 (fp32 accumulation) on the dequantized
   stored activations and the unquantized gradients, torch's K-grouped GEMM (with
   fuse_wgrad_accumulation: our CUTLASS K-grouped GEMM on the pool operands as stored, adding into
-  the fp32 accumulators in its epilogue), except with recipe fp8_e4m3_wgrad: dY, dH and the stored activations each quantized
+  the fp32 accumulators in its epilogue, or writing over those flagged overwrite_main_grad:
+  main_grad.py), except with recipe fp8_e4m3_wgrad: dY, dH and the stored activations each quantized
   along the pool rows in 128-row blocks by quantize_tokens_t, transposed, into the CUTLASS
   K-grouped fp8 GEMM (each expert padded to 128 pool rows so no block spans two; measured slower
   than bf16, NOTES.md); with bf16 every backward GEMM is bf16;

@@ -1,11 +1,12 @@
 """The owner's plan (plan.py) built on the GPU in three Triton launches, bit for bit.
 
 plan.build_plan states the tables with ~40 torch ops (a stable argsort, scatters, cumsums):
-about 2 ms of host time per call and a few hundred microseconds of small kernels. Here the same
-tables come from a counting sort over chunks of CHUNK (source, token) pairs, reading each
-source's ids where they lie (its symmetric buffer, through its base address) instead of a
-gathered [R, T, K] copy (one copy kernel and its launch fewer per forward; the first read of
-the peers' ids after the exchange stays slow, ~95 us, whichever kernel makes it: NOTES.md):
+about 1.1-1.6 ms of host time per call and 1.1-1.9 ms of small kernels at the layer shapes
+(benchmarks/bench_plan.py). Here the same tables come from a counting sort over chunks of CHUNK
+(source, token) pairs, reading each source's ids where they lie (its symmetric buffer, through
+its base address) instead of a gathered [R, T, K] copy (one copy kernel and its launch fewer per
+forward; the first read of the peers' ids after the exchange stays slow, ~95 us, whichever
+kernel makes it: NOTES.md):
 
 1. count: per chunk, how many of its slots go to each local expert and how many of its pairs
    have any slot here (one histogram per chunk); also fills the output tables with -1;

@@ -4,8 +4,10 @@
 the recipe's weight block (128 x 128 for fp8), computes the block's amax and fp32 scale and
 writes, in the same pass: the e4m3 data and scales in kernel layout (fc1: gate/up interleaved in
 chunks of rows) and the e4m3 data and scales of the master-order weight transposed ([E, K, N],
-the operand of an FP8 dgrad GEMM). `dequantize_blocks` turns kernel-layout data back into the
-master-order weight in a compute dtype (the copies a bf16 backward reads).
+the operand of an FP8 dgrad GEMM); by default it quantizes and stores a block 64 rows at a time
+after the whole block's amax (rows_per_step, each step's rows read again from L2).
+`dequantize_blocks` turns kernel-layout data back into the master-order weight in a compute
+dtype (the copies a bf16 backward reads).
 
 Both are bit for bit what quant.quantize_weight / quant.dequantize_weight and the torch gate/up
 (de)interleave give: scale = max(amax, 1e-4) / 448 and data = x / scale with correctly rounded
