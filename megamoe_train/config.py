@@ -28,7 +28,8 @@ class MegaMoEConfig:
       training uses; float32 gives exact comparisons in tests.
     block_m: rows per M-block of the GPU executor's Triton fp8 GEMM (the fallback where the CUDA
       extension was not built); each expert's pool segment is padded to a multiple of it there
-      (the reference executor pads nothing; the CUTLASS and bf16 GEMMs pad to 16).
+      (the reference executor pads nothing; the CUTLASS and bf16 GEMMs pad to 16, and recipe
+      fp8_e4m3_wgrad to 128 so that no 1x128 wgrad block spans two experts).
     """
 
     num_experts: int

@@ -6,7 +6,7 @@
 //   rows past group_ends[G-1] are left untouched;
 // - depth-grouped (wgrad): the rows are the K of group g's product of two pool-transposed
 //   operands, D[g] = A_t[:, rows] @ B_t[:, rows]^T (fp8), or of the pool operands themselves,
-//   D[g] = A[rows]^T @ B[rows] (bf16, bf16 D stored or fp32 D accumulated into); pool rows past
+//   D[g] = A[rows]^T @ B[rows] (bf16; D bf16 stored, fp32 stored or fp32 accumulated into); pool rows past
 //   group_ends[G-1] are not read.
 // group_ends lives on the device and is read there, so a call never waits for the host and can
 // be captured in a CUDA graph.
@@ -28,7 +28,7 @@ struct GroupedGemmArgs {
   const float* a_scales;      // fp8 only: fp32 [M_total, K/128] / [M, P/128], one per row per 128-deep K block
   const void* b;              // [G, N, K] or [G, K, N] (see BLayout) / e4m3 [N, P] or bf16 [P, N]
   const float* b_scales;      // fp8 only: fp32 [G, N/128, K/128], one per 128x128 block / [N, P/128] like A's
-  void* d;                    // bf16 [M_total, N] / bf16, or fp32 when accumulating, [G, M, N], row-major
+  void* d;                    // bf16 [M_total, N] / bf16 or fp32 (stored or accumulated into) [G, M, N], row-major
   const int32_t* group_ends;  // int32 [G], cumulative pool-row ends
   int num_groups;
   int m;                      // depth-grouped only: rows of each group's D

@@ -8,6 +8,7 @@ from functools import partial
 from typing import Callable
 
 from .. import protocol
+from ..precision import GPU_EXECUTOR_RECIPES
 from .reference import ReferenceExecutor
 
 
@@ -53,14 +54,14 @@ def gpu_executor_supports(config, device) -> bool:
 
 
 def resolve_backend(name: str, buffer) -> Backend:
-    """'auto' picks the Triton GPU executor where it supports the buffer (sm90+, bf16/fp8 recipes),
-    else the reference, which runs anywhere."""
+    """'auto' picks the Triton GPU executor where it supports the buffer (sm90+, the recipes of
+    precision.GPU_EXECUTOR_RECIPES), else the reference, which runs anywhere."""
     if name == "auto":
         return _triton_backend() if triton_supported(buffer) else BACKENDS["reference"]
     if name == "triton":
         if not triton_supported(buffer):
             raise ValueError(
-                f"backend: 'triton' needs a CUDA sm90+ buffer with recipe bf16/fp8, dtype bf16, hidden and "
+                f"backend: 'triton' needs a CUDA sm90+ buffer with a recipe of {GPU_EXECUTOR_RECIPES}, dtype bf16, hidden and "
                 f"intermediate multiples of 128 and block_m 64 or 128; got {buffer.config.recipe!r} on {buffer.device}"
             )
         return _triton_backend()
