@@ -2,9 +2,10 @@
 variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
 with the measured peaks.
 
-  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy] [--ep 2] [--gemms fwd,wgrad,wgrad_acc,dense_acc] [--routed]
+  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy,proxy16] [--ep 2] [--gemms fwd,wgrad,wgrad_acc,dense_acc] [--routed]
 
-Per layer shape (bench_layer.SHAPES, plus "proxy", the DeepSeek-V3 training proxy) the rank's
+Per layer shape (bench_layer.SHAPES, plus "proxy" / "proxy16", the DeepSeek-V3 training proxy at
+8192 / 32768 tokens per GPU) the rank's
 pool under uniform routing: T*topk rows over E/ep experts, each padded to 128 rows; with --routed
 (fwd only) each expert's rows drawn as uniform routing gives them and padded to 16, as in the
 layer, where an expert's last 128-row tile is mostly partial.

@@ -1,6 +1,6 @@
 """MegaMoETransformerConfig: Megatron's TransformerConfig plus the switch for the fused MoE layer.
 
-Switch it on with `moe_megamoe_recipe` ("bf16", "fp8" or "mxfp8_mxfp4"); None keeps Megatron's
+Switch it on with `moe_megamoe_recipe` ("bf16", "fp8", "fp8_e4m3_wgrad" or "mxfp8_mxfp4"); None keeps Megatron's
 stock MoE layer. `validate_megamoe(config)` rejects every setting mega_moe cannot reproduce
 exactly, naming the setting; it also works on a plain TransformerConfig that has the
 `moe_megamoe_*` attributes set.
@@ -31,7 +31,7 @@ class MegaMoEConfigError(ValueError):
 class MegaMoETransformerConfig(TransformerConfig):
     """TransformerConfig with the MegaMoE switch.
 
-    moe_megamoe_recipe: None = Megatron's stock MoE layer; "bf16" / "fp8" / "mxfp8_mxfp4" = every
+    moe_megamoe_recipe: None = Megatron's stock MoE layer; "bf16" / "fp8" / "fp8_e4m3_wgrad" / "mxfp8_mxfp4" = every
       MoE layer runs routed and shared experts through megamoe_train.mega_moe with that recipe.
     moe_megamoe_backend: mega_moe backend ("auto" picks the fastest available on the device).
     moe_megamoe_max_tokens_per_rank: most tokens one rank passes to one MoE layer call; sizes the
