@@ -79,8 +79,10 @@ def main():
         n = w.numel()
         floor = n * 4 / (bw * 1e6)
         print(f"\n{name} {shape}: {n/1e6:.0f} M elements, floor (2 B read + 2 x 1 B write) {floor:.3f} ms")
-        t = median_ms(lambda: W.quantize_blocks(w, chunk=None, num_warps=16), 20, 3)
-        print(f"  production quantize_blocks nw16: {t:.3f} ms")
+        t = median_ms(lambda: W.quantize_blocks(w, chunk=None), 20, 3)
+        print(f"  quantize_blocks as it runs by default (64 rows at a time, 8 warps): {t:.3f} ms")
+        t = median_ms(lambda: W.quantize_blocks(w, chunk=None, num_warps=16, rows_per_step=None), 20, 3)
+        print(f"  quantize_blocks whole blocks, nw16 (the cases below switch parts of this one off): {t:.3f} ms")
         cases = {
             "full (STORE, STORE_T, EXACT, AMAX)": dict(STORE=True, STORE_T=True, EXACT=True, AMAX=True, TRANS_Y=False),
             "no transposed store": dict(STORE=True, STORE_T=False, EXACT=True, AMAX=True, TRANS_Y=False),

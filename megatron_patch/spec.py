@@ -15,7 +15,8 @@ when moe_megamoe_recipe is set). Config: a MegaMoETransformerConfig decides by i
 `moe_megamoe_recipe`. Megatron-LM's argparse builds a plain TransformerConfig, which has no
 `moe_megamoe_*` fields: choosing this spec then means MegaMoE, with the values taken from the
 environment (MEGAMOE_RECIPE, default "bf16", "none" = stock; MEGAMOE_BACKEND, default "auto";
-MEGAMOE_MAX_TOKENS_PER_RANK, default: fixed at the first forward) and set on that config.
+MEGAMOE_MAX_TOKENS_PER_RANK, default: fixed at the first forward; MEGAMOE_CUDA_GRAPH, default off)
+and set on that config.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def _use_te(config) -> bool:
 def ensure_megamoe_fields(config):
     """Give a plain TransformerConfig (Megatron-LM's argparse) the moe_megamoe_* fields, from the
     environment: MEGAMOE_RECIPE (default "bf16"; "none" = stock), MEGAMOE_BACKEND (default
-    "auto"), MEGAMOE_MAX_TOKENS_PER_RANK (default unset). Fields already present are kept."""
+    "auto"), MEGAMOE_MAX_TOKENS_PER_RANK (default unset), MEGAMOE_CUDA_GRAPH ("1" / "0" /
+    "auto"; default off, as MegaMoETransformerConfig's). Fields already present are kept."""
     if not hasattr(config, "moe_megamoe_recipe"):
         recipe = os.environ.get("MEGAMOE_RECIPE", "bf16").strip()
         config.moe_megamoe_recipe = None if recipe.lower() in ("", "none") else recipe
@@ -168,6 +170,12 @@ def ensure_megamoe_fields(config):
     if not hasattr(config, "moe_megamoe_max_tokens_per_rank"):
         value = os.environ.get("MEGAMOE_MAX_TOKENS_PER_RANK")
         config.moe_megamoe_max_tokens_per_rank = int(value) if value else None
+    if not hasattr(config, "moe_megamoe_cuda_graph"):  # absent would read as None: graphs wherever possible
+        value = os.environ.get("MEGAMOE_CUDA_GRAPH", "0").strip().lower()
+        choices = {"1": True, "true": True, "0": False, "false": False, "": False, "auto": None}
+        if value not in choices:
+            raise ValueError(f"MEGAMOE_CUDA_GRAPH must be 1, 0 or auto, got {value!r}")
+        config.moe_megamoe_cuda_graph = choices[value]
     return config
 
 

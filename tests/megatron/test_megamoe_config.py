@@ -186,3 +186,23 @@ def _with_recipe(recipe, **overrides):
     cfg = MegaMoETransformerConfig(**{**BASE, **overrides})  # stock config, then switched on (no __post_init__ check)
     cfg.moe_megamoe_recipe = recipe
     return cfg
+
+
+@pytest.mark.parametrize("env, expected", [(None, False), ("0", False), ("1", True), ("auto", None)])
+def test_megatron_lm_configs_get_graphs_only_when_asked(monkeypatch, env, expected):
+    """Megatron-LM's plain TransformerConfig gets moe_megamoe_cuda_graph from MEGAMOE_CUDA_GRAPH,
+    off by default as MegaMoETransformerConfig's (an absent field would read as None: graphs
+    wherever possible)."""
+    from types import SimpleNamespace
+
+    from megatron_patch.spec import ensure_megamoe_fields
+
+    if env is None:
+        monkeypatch.delenv("MEGAMOE_CUDA_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("MEGAMOE_CUDA_GRAPH", env)
+    assert ensure_megamoe_fields(SimpleNamespace()).moe_megamoe_cuda_graph is expected
+    assert ensure_megamoe_fields(SimpleNamespace(moe_megamoe_cuda_graph=True)).moe_megamoe_cuda_graph is True
+    monkeypatch.setenv("MEGAMOE_CUDA_GRAPH", "yes please")
+    with pytest.raises(ValueError, match="MEGAMOE_CUDA_GRAPH"):
+        ensure_megamoe_fields(SimpleNamespace())
