@@ -178,9 +178,10 @@ def use_fused_adam(optimizer) -> int:
 class _AdamWWritingModelParams:
     """The step of one torch AdamW under megatron's bf16 optimizer, by adam_kernel.adamw_update."""
 
-    def __init__(self, adam: torch.optim.Optimizer, model_params: dict):
+    def __init__(self, adam: torch.optim.Optimizer, model_params: dict, moments_dtype: torch.dtype = torch.float32):
         self.adam = adam
         self.model_params = model_params  # id(main param) -> its bf16 model param (fp32 params: absent)
+        self.moments_dtype = moments_dtype  # exp_avg and exp_avg_sq as kept in the state
         self.host_steps: dict = {}  # id(main param) -> (the state's step tensor, its count)
         self.wrote_model_params = False
 
@@ -202,8 +203,11 @@ class _AdamWWritingModelParams:
                 state = adam.state[p]
                 if not state:  # as torch's fused AdamW initializes it
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                for key in ("exp_avg", "exp_avg_sq"):  # a load casts the state to the param's dtype: back, exactly
+                    if state[key].dtype != self.moments_dtype:
+                        state[key] = state[key].to(self.moments_dtype)
                 known = self.host_steps.get(id(p))
                 if known is None or known[0] is not state["step"]:
                     unread.append(p)
@@ -260,10 +264,12 @@ def _model_params_for_kernel(mo, adam) -> dict | None:
     return model_params
 
 
-def use_adam_writing_model_params(optimizer) -> int:
+def use_adam_writing_model_params(optimizer, moments_dtype: torch.dtype = torch.float32) -> int:
     """Under each megatron bf16 optimizer (Float16OptimizerWithFloat16Params) whose torch AdamW
     use_fused_adam switched and whose parameters are contiguous CUDA tensors: steps by the kernel
     that also writes the bf16 model params, and megatron's main -> model copy skipped after it.
+    moments_dtype: exp_avg and exp_avg_sq kept in fp32 (torch's) or bf16 (adam_kernel.py); a
+    state loaded from a checkpoint is converted at the next step.
     Idempotent; call after use_fused_adam. The switch is an attribute of the torch optimizer
     instance, so it survives a checkpoint load (torch's load_state_dict replaces only the state and
     the param groups, whose flags the step does not read). Returns the number of megatron
@@ -280,7 +286,7 @@ def use_adam_writing_model_params(optimizer) -> int:
         model_params = _model_params_for_kernel(mo, adam)
         if model_params is None:
             continue
-        stepper = _AdamWWritingModelParams(adam, model_params)
+        stepper = _AdamWWritingModelParams(adam, model_params, moments_dtype)
         adam.step = stepper.step
         mo._copy_main_params_to_model_params = stepper.copy_main_to_model(mo._copy_main_params_to_model_params)
         switched += 1

@@ -136,7 +136,11 @@ def build_model(recipe, device: str):
     if t.fused_optimizer:
         use_fused_adam(optimizer)
         if t.adam_writes_model_params:
-            use_adam_writing_model_params(optimizer)
+            bf16_moments = t.adam_moments_dtype == "bf16"
+            switched = use_adam_writing_model_params(optimizer, torch.bfloat16 if bf16_moments else torch.float32)
+            if bf16_moments and not switched:
+                raise RuntimeError("train.adam_moments_dtype=bf16: the AdamW kernel that keeps bf16 moments cannot step "
+                                   "this run's optimizer (it needs CUDA fp32 main params under megatron's bf16 optimizer)")
     return model, optimizer, cfg
 
 

@@ -176,6 +176,9 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
     shared = f", shared {moe.shared_expert_ffn_hidden_size}" if moe.shared_expert_ffn_hidden_size else ""
+    adam = ""
+    if writes_model_params(optimizer):
+        adam = f"AdamW kernel writes the bf16 params{' (moments in bf16)' if recipe.train.adam_moments_dtype == 'bf16' else ''} | "
     graphs = False  # what the MoE layers will decide at their first call (megatron_patch.cuda_graphs_enabled)
     if moe.megamoe_recipe and dev.type == "cuda":
         from megatron_patch import cuda_graphs_enabled, megamoe_config
@@ -190,7 +193,7 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
             f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
             f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
             f"attention {m.attention} | "
-            f"{'AdamW kernel writes the bf16 params | ' if writes_model_params(optimizer) else ''}"
+            f"{adam}"
             f"{'expert main_grads written over, not zeroed | ' if overwrites_expert_main_grads(model) else ''}"
             f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
 

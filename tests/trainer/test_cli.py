@@ -107,6 +107,12 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["model.attention=flash"], "model.attention"),
         (["run.peak_tflops=0"], "run.peak_tflops"),
         (["train.steps=10", "run.profile_at=9"], "run.profile_at"),  # steps 9..11 do not fit
+        (["train.adam_moments_dtype=fp16"], "train.adam_moments_dtype"),
+        (["train.adam_moments_dtype=bf16"], "train.adam_moments_dtype"),  # the AdamW kernel needs CUDA
+        (["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.adam_beta2=0.999"],
+         "train.adam_moments_dtype"),  # a bf16 exp_avg_sq would stall
+        (["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.use_distributed_optimizer=true"],
+         "train.adam_moments_dtype"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
