@@ -11,13 +11,25 @@ from .validation import check_inputs
 from .weights import ExpertWeights, transform_weights
 
 
+def _leave(buffer: SymmBuffer, where: str, err: BaseException):
+    """This rank raised before joining its next protocol call: mark the buffer failed so peers
+    waiting in that call stop at once (protocol._guarded's rule) instead of timing out or
+    pairing that call with this rank's next one."""
+    call = buffer.session.call_count + 1
+    buffer.fail(f"rank {buffer.rank} failed before call {call} ({where}): {type(err).__name__}: {err}", call * 4)
+
+
 class MegaMoEFunction(torch.autograd.Function):
     """Forward and backward each run one pass of the backend's protocol over the buffer."""
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats, layer_id,
                 fuse_wgrad_accumulation, prepared_weights):
-        weights = prepared_weights if prepared_weights is not None else transform_weights(w1, w2, buffer.config)
+        try:
+            weights = prepared_weights if prepared_weights is not None else transform_weights(w1, w2, buffer.config)
+        except BaseException as err:
+            _leave(buffer, "the weight transform", err)
+            raise
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
         y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id)
         ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
@@ -29,11 +41,15 @@ class MegaMoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         buffer = ctx.buffer
-        grad_y = grad_y.to(buffer.config.dtype).contiguous()
         fused = ctx.fused_weights
+        try:
+            grad_y = grad_y.to(buffer.config.dtype).contiguous()
+            targets = None if fused is None else wgrad_targets(*fused)
+        except BaseException as err:
+            _leave(buffer, "the backward's preparation", err)
+            raise
         grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
-            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared,
-            wgrad_targets=None if fused is None else wgrad_targets(*fused),
+            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared, wgrad_targets=targets,
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
         ctx.saved = ctx.fused_weights = None

@@ -46,6 +46,7 @@ from .plan import Plan
 from .symm_buffer import NUM_WAIT_SITES, SymmBuffer
 from .weights import ExpertWeights
 
+_WORD_RANGE = 2**31  # status words are int32
 BARRIER_EXCHANGED, BARRIER_PUSHED = 1, 2  # the two barrier steps of a call (tag = epoch * 4 + step)
 # SymmBuffer.peer_wait_ns_by_site's counters: a barrier waits for peers that are late arriving
 # there, i.e. still in the work before it (before the first barrier: the model's work between
@@ -114,8 +115,13 @@ def _raise_on_mismatch(status: torch.Tensor, rank: int, deferred: bool):
 
 
 def _raise_deferred(buf: SymmBuffer):
-    for pending in buf.session.ready():
-        _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
+    ready = buf.session.ready()
+    for i, pending in enumerate(ready):
+        try:
+            _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
+        except BaseException:
+            buf.session.pending[:0] = ready[i + 1 :]  # later verdicts are raised at the next call, not lost
+            raise
 
 
 def _publish(executor, buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
@@ -139,8 +145,10 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forw
     # A captured call compares the words on the device (and traps on a mismatch or a rejected
     # input): its replays run no host code, so no later call could raise what they route.
     captured = buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # The words are int32: epoch and phase wrap (phase 2n passes 2^31 at call 2^30), alike on every rank.
+    name = (call % _WORD_RANGE, layer_id, _phase(call, forward_call) % _WORD_RANGE)
     status, all_ok = buf.exchange_status(call * 4 + BARRIER_EXCHANGED, call % 2, verdict,
-                                         (call, layer_id, _phase(call, forward_call)), compare_on_device=captured,
+                                         name, compare_on_device=captured,
                                          wait_site=_wait_site(forward_call is not None, BARRIER_EXCHANGED))
     return status, call, all_ok
 
@@ -153,12 +161,12 @@ def _guarded(step):
         buf.check_usable()
         if buf.device.type == "cuda":
             buf.session.follow_previous_call(torch.cuda.current_stream(buf.device))
+        call = buf.session.call_count + 1  # the epoch this step takes (next_call), failing before it or after
         try:
             return step(executor, buf, *args, **kwargs)
         except (MegaMoEInputError, MegaMoECallMismatchError):
             raise
         except BaseException as err:
-            call = buf.session.call_count
             buf.raise_device_fault(err)  # the CUDA error of a barrier's trap: say which rank and call
             buf.fail(f"rank {buf.rank} failed in call {call} ({step.__name__}): {type(err).__name__}: {err}", call * 4)
             raise

@@ -71,7 +71,7 @@ def check_inputs(
         if problem:
             return problem
     if prepared_weights is not None:
-        problem = _check_prepared(prepared_weights, cfg.recipe, E_l, dev)
+        problem = _check_prepared(prepared_weights, cfg, E_l, dev)
         if problem:
             return problem
     if check_ids and T:
@@ -82,14 +82,26 @@ def check_inputs(
     return None
 
 
-def _check_prepared(prepared, recipe: str, num_local_experts: int, device) -> str | None:
-    """mega_moe(prepared_weights=): kernel-layout weights for this buffer's recipe, experts and device."""
+def _check_prepared(prepared, cfg, num_local_experts: int, device) -> str | None:
+    """mega_moe(prepared_weights=): kernel-layout weights for this buffer's recipe, experts and
+    device, of the shapes, dtype and gate/up chunk transform_weights makes for its config."""
+    recipe = cfg.precision
     if not isinstance(prepared, ExpertWeights):
         return f"prepared_weights: expected ExpertWeights, got {type(prepared).__name__}"
-    if prepared.recipe != recipe:
-        return f"prepared_weights: prepared for recipe {prepared.recipe!r}, the buffer runs {recipe!r}"
+    if prepared.recipe != recipe.name:
+        return f"prepared_weights: prepared for recipe {prepared.recipe!r}, the buffer runs {recipe.name!r}"
     n = prepared.w1.shape[0]
-    if n != num_local_experts or prepared.w2.shape[0] != n or prepared.w1.device != device:
+    if n != num_local_experts or prepared.w2.shape[0] != n or prepared.w1.device != device or prepared.w2.device != device:
         return (f"prepared_weights: {n} experts on {prepared.w1.device}, expected {num_local_experts} on {device} "
                 "(the buffer's local experts)")
+    H, I = cfg.hidden, cfg.intermediate
+    pack = 2 if recipe.weight_format == "e2m1" else 1  # FP4 packs two values a byte
+    dtype = {"native": cfg.dtype, "e4m3": torch.float8_e4m3fn}.get(recipe.weight_format, torch.uint8)
+    chunk = I if recipe.weight_format == "native" else recipe.gate_up_chunk
+    for name, w, shape in (("w1", prepared.w1, (n, 2 * I, H // pack)), ("w2", prepared.w2, (n, H, I // pack))):
+        if tuple(w.shape) != shape or w.dtype != dtype:
+            return (f"prepared_weights: {name} is {w.dtype} {list(w.shape)}, expected {dtype} {list(shape)} "
+                    "(transform_weights of this buffer's config)")
+    if prepared.chunk != chunk:
+        return f"prepared_weights: gate/up chunk {prepared.chunk}, expected {chunk} for this buffer's config"
     return None

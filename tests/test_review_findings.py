@@ -1,0 +1,150 @@
+"""Regression tests of review findings (protocol edge cases), on real CPU processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dense_moe import dense_moe
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, transform_weights
+from test_mega_moe_dist import BASE, make_problem, rel_err
+
+
+def _inputs(rank, world, seed=5, tokens=12):
+    cfg = MegaMoEConfig(**BASE)
+    prob = make_problem(cfg, world, [tokens] * world, seed=seed)
+    E_l = cfg.num_experts // world
+    mine = slice(rank * E_l, (rank + 1) * E_l)
+    return cfg, prob, prob["w1"][mine], prob["w2"][mine]
+
+
+def calls_past_int32_phase(rank, world):
+    """The status word is int32; the phase 2 * call passes 2^31 at call 2^30."""
+    cfg, prob, w1, w2 = _inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    buf.session.call_count = 2**30 - 1  # as after ~1e9 calls of one long-lived buffer
+    x = prob["x"][rank].clone().requires_grad_()
+    y = mega_moe(x, prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    y.backward(prob["gy"][rank])
+    y2 = mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    y_ref = dense_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], prob["w1"], prob["w2"], cfg)
+    assert rel_err(y.detach(), y_ref) < 1e-5 and torch.equal(y.detach(), y2)
+    buf.destroy()
+
+
+def test_call_epochs_past_int32(rank_pools):
+    rank_pools(2).run(calls_past_int32_phase)
+
+
+def weight_transform_fails_on_one_rank(rank, world):
+    """A rank whose weight transform raises (e.g. out of memory) never joins the call: its
+    peers must stop at once, told by its failure mark, not after the timeout."""
+    from megamoe_train import autograd
+
+    cfg, prob, w1, w2 = _inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    original = autograd.transform_weights
+
+    def broken(*args, **kwargs):
+        raise MemoryError("injected: out of memory in the weight transform")
+
+    if rank == 1:
+        autograd.transform_weights = broken
+    start = time.monotonic()
+    try:
+        with pytest.raises((MemoryError, RuntimeError)) as err:
+            mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    finally:
+        autograd.transform_weights = original
+    elapsed = time.monotonic() - start
+    if rank == 0:
+        assert "rank 1 failed" in str(err.value), str(err.value)
+        assert elapsed < 5, elapsed
+    with pytest.raises(RuntimeError, match="unusable"):
+        mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+
+
+def test_weight_transform_failure_fails_peers_at_once(rank_pools):
+    rank_pools(2).run(weight_transform_fails_on_one_rank)
+
+
+def prepared_weights_of_another_shape(rank, world, what):
+    """prepared_weights whose experts have another width than the buffer's config must be bad
+    input (MegaMoEInputError on every rank, buffer usable), not run (the reference computes an
+    MLP of the other width; the GPU kernels would read past the weights)."""
+    cfg, prob, w1, w2 = _inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
+    prepared = None
+    if rank == 1:
+        if what == "intermediate":
+            other = MegaMoEConfig(**dict(BASE, intermediate=16))
+            prepared = transform_weights(w1[:, :32].contiguous(), w2[:, :, :16].contiguous(), other)
+        else:  # dtype
+            prepared = transform_weights(w1, w2, MegaMoEConfig(**dict(BASE, dtype=torch.bfloat16)))
+    with pytest.raises(MegaMoEInputError) as err:
+        mega_moe(x, idx, tw, w1, w2, buf, prepared_weights=prepared)
+    if rank == 1:
+        assert "prepared_weights" in str(err.value), str(err.value)
+    y = mega_moe(x, idx, tw, w1, w2, buf)  # the buffer serves the next call
+    assert rel_err(y, dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)) < 1e-5
+
+
+@pytest.mark.parametrize("what", ["intermediate", "dtype"])
+def test_prepared_weights_of_another_shape_are_bad_input(rank_pools, what):
+    rank_pools(2).run(prepared_weights_of_another_shape, what)
+
+
+def test_deferred_verdicts_after_the_first_bad_one_are_not_lost(monkeypatch):
+    """_raise_deferred raises the first bad verdict that reached the host; the verdicts of later
+    calls that arrived with it must be raised at the next call, not dropped."""
+    from types import SimpleNamespace
+
+    from megamoe_train import MegaMoECallMismatchError
+    from megamoe_train import protocol
+    from megamoe_train.faults import STATUS_BAD, STATUS_OK
+    from megamoe_train.session import BufferSession, PendingVerdict
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    done = SimpleNamespace(query=lambda: True)
+    session = BufferSession()
+    bad_input = torch.tensor([[STATUS_OK, 3, 1, 6], [STATUS_BAD, 3, 1, 6]], dtype=torch.int32)
+    mismatch = torch.tensor([[STATUS_OK, 4, 1, 7], [STATUS_OK, 4, 2, 8]], dtype=torch.int32)
+    session.pending += [PendingVerdict(done, bad_input, 3), PendingVerdict(done, mismatch, 4)]
+    buf = SimpleNamespace(session=session, rank=0)
+    with pytest.raises(MegaMoEInputError, match="call 3"):
+        protocol._raise_deferred(buf)
+    with pytest.raises(MegaMoECallMismatchError):
+        protocol._raise_deferred(buf)
+    protocol._raise_deferred(buf)  # each reported once
+
+
+def publish_fails_on_one_rank(rank, world):
+    """A rank failing before its exchange (in the publish) is named with the call it was in."""
+    from megamoe_train.backends.reference import ReferenceExecutor
+
+    cfg, prob, w1, w2 = _inputs(rank, world)
+    buf = get_symm_buffer(None, cfg, timeout_s=10)
+    mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)  # a good call first
+    n = buf.session.call_count + 1
+    original = ReferenceExecutor.store_inputs
+
+    def broken(self, *args):
+        raise MemoryError("injected failure in the publish")
+
+    if rank == 1:
+        ReferenceExecutor.store_inputs = broken
+    try:
+        with pytest.raises((MemoryError, RuntimeError)) as err:
+            mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)  # call n
+    finally:
+        ReferenceExecutor.store_inputs = original
+    if rank == 0:
+        assert f"rank 1 failed in call {n} and left the protocol (rank 0 was waiting at barrier 1 of call {n})" in str(err.value), \
+            str(err.value)
+
+
+def test_rank_failing_in_its_publish_is_named_with_its_call(rank_pools):
+    rank_pools(2).run(publish_fails_on_one_rank)
