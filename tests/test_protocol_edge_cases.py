@@ -1,4 +1,7 @@
-"""Regression tests of review findings (protocol edge cases), on real CPU processes."""
+"""Edge cases of the protocol's bookkeeping and failure handling, on real CPU processes: call
+counters past the int32 status words, deferred verdicts of several calls arriving together, a rank
+failing outside a protocol step (its weight transform) or before its exchange (its publish), and
+prepared weights of another width or dtype."""
 
 from __future__ import annotations
 
