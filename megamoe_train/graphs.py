@@ -118,7 +118,7 @@ class GraphedMegaMoE:
     def _capture(self, x, topk_idx, topk_weights, overwrite: bool):
         """Captures the forward/backward pair for this main_grad mode; the first capture also
         makes the static inputs, the leaves and the weight-preparation graph."""
-        first = self.leaves is None
+        first = not self.pairs  # also after a first capture that raised: its statics are redone
         dev = x.device
         if first:
             # The graphs differentiate leaves that alias the parameters' storage, not the parameters:

@@ -840,3 +840,59 @@ def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2, distribute
         else:
             assert all(p.main_grad.abs().sum() > 0 for p in experts)
     return True
+
+
+def shared_expert_param_gather(rank, world, recipe, bucket_size=4096, steps=3):
+    """BUG (megatron_patch/moe_layer.py, MegaMoECall.__call__): with the distributed optimizer's
+    overlap_param_gather, DDP all-gathers a bucket's parameters from the forward pre-hooks of the
+    modules that own them. MegaMoE reads the shared experts' weights as attributes
+    (`shared_experts.linear_fc1.weight`) without calling those modules, so where a bucket holds
+    shared-expert weights and nothing called before mega_moe, mega_moe reads them while their
+    all-gather is still in flight (or never waited: the next step's dispatch asserts). Stock
+    layers (recipe None) call linear_fc1/fc2 and pass."""
+    init(rank, world)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    import megatron_patch.moe_layer as moe_layer
+
+    def run(overlap_param_gather):
+        cfg = config(recipe, moe_shared_expert_intermediate_size=64)
+        m = model(cfg, seed=3)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
+                                                overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+        ddp = DistributedDataParallel(cfg, ddp_cfg, m)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False,
+                                                     use_distributed_optimizer=True), [ddp])
+        in_flight = []  # shared-expert weights read by mega_moe before their all-gather finished
+        real = moe_layer.mega_moe
+
+        def spy(*args, **kwargs):
+            for w in (kwargs.get("shared_w1"), kwargs.get("shared_w2")):
+                group = ddp.param_to_bucket_group.get(w)
+                if overlap_param_gather and group is not None and group.param_gather_handle is not None:
+                    in_flight.append(tuple(w.shape))
+            return real(*args, **kwargs)
+
+        moe_layer.mega_moe = spy
+        losses = []
+        try:
+            for step in range(steps):
+                tokens, pos, labels = batch(rank, seed=10 + step)
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                loss = ddp(tokens, pos, None, labels=labels).float().mean()
+                loss.backward()
+                finalize_model_grads([ddp])
+                assert opt.step()[0]
+                losses.append(loss.item())
+        finally:
+            moe_layer.mega_moe = real
+        return losses, in_flight
+
+    want, _ = run(False)
+    got, in_flight = run(True)
+    assert not in_flight, f"mega_moe read shared-expert weights {in_flight} while their all-gather was in flight"
+    assert got == want, (got, want)
+    return True

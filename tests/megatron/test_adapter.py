@@ -119,3 +119,13 @@ def test_optimizer_checkpoint_both_ways(mcore_pool, tmp_path):
 def test_expert_main_grad_written_over_instead_of_zeroed(mcore_pool, ddp):
     """megatron_patch.grad_buffers: bit for bit the main_grads of zeroed buffers, NaN-poisoned."""
     assert mcore_pool().run(cases.expert_main_grad_overwrite, **DDP_VARIANTS[ddp]) == [True, True]
+
+
+@pytest.mark.parametrize("bucket_size", [4096, 8192])
+@pytest.mark.parametrize("recipe", [None, pytest.param("bf16", marks=pytest.mark.xfail(
+    strict=True, reason="BUG: MegaMoECall reads shared-expert weights without their modules' DDP pre-hooks "
+                        "(overlap_param_gather): read mid all-gather / never waited"))])
+def test_shared_expert_weights_gathered_before_read(mcore_pool, recipe, bucket_size):
+    """Distributed optimizer with overlap_param_gather and buckets small enough that a shared expert's
+    weights share no bucket with a module called before mega_moe (mcore_cases.shared_expert_param_gather)."""
+    assert mcore_pool().run(cases.shared_expert_param_gather, recipe, bucket_size) == [True, True]
