@@ -100,7 +100,10 @@ class MegaMoECall:
             w1, w2 = torch.stack(fc1), torch.stack(fc2)
         shared = {}
         if cfg.num_shared_experts:
-            shared = dict(shared_w1=self.shared_experts.linear_fc1.weight, shared_w2=self.shared_experts.linear_fc2.weight)
+            fc1, fc2 = self.shared_experts.linear_fc1, self.shared_experts.linear_fc2
+            for module in (fc1, fc2):  # mega_moe reads their weights, never calls them
+                _run_forward_pre_hooks(module)
+            shared = dict(shared_w1=fc1.weight, shared_w2=fc2.weight)
         # Gradient-accumulation fusion where the weights are DDP's stacked parameters (main_grad
         # set); the megakernel backend's per-forward stack has no accumulator of its own.
         fuse = (getattr(self.config, "moe_megamoe_fuse_wgrad_accumulation", False) and isinstance(self.experts, MegaMoEExperts)
@@ -126,6 +129,17 @@ class MegaMoECall:
             fuse_wgrad_accumulation=fuse,
             **shared,
         )
+
+
+def _run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """`module`'s forward pre-hooks without its forward: there Megatron DDP waits for the
+    distributed optimizer's all-gather of the module's parameters (overlap_param_gather), as it
+    would before the module ran."""
+    for hook_id, hook in module._forward_pre_hooks.items():
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, (), {})
+        else:
+            hook(module, ())
 
 
 def _inside_backward() -> bool:

@@ -843,13 +843,13 @@ def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2, distribute
 
 
 def shared_expert_param_gather(rank, world, recipe, bucket_size=4096, steps=3):
-    """BUG (megatron_patch/moe_layer.py, MegaMoECall.__call__): with the distributed optimizer's
-    overlap_param_gather, DDP all-gathers a bucket's parameters from the forward pre-hooks of the
-    modules that own them. MegaMoE reads the shared experts' weights as attributes
-    (`shared_experts.linear_fc1.weight`) without calling those modules, so where a bucket holds
-    shared-expert weights and nothing called before mega_moe, mega_moe reads them while their
-    all-gather is still in flight (or never waited: the next step's dispatch asserts). Stock
-    layers (recipe None) call linear_fc1/fc2 and pass."""
+    """With the distributed optimizer's overlap_param_gather, DDP waits for a bucket's parameter
+    all-gather in the forward pre-hooks of the modules that own them. mega_moe reads the shared
+    experts' weights without calling their modules, so MegaMoECall runs those modules' pre-hooks
+    first (before that fix it read them mid all-gather where a bucket held shared-expert weights
+    and nothing called before mega_moe, and megatron asserted at the next step's dispatch).
+    Buckets small enough to separate them; the same losses as without the overlap; stock layers
+    (recipe None) call linear_fc1/fc2 themselves."""
     init(rank, world)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads

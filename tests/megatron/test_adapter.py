@@ -122,9 +122,7 @@ def test_expert_main_grad_written_over_instead_of_zeroed(mcore_pool, ddp):
 
 
 @pytest.mark.parametrize("bucket_size", [4096, 8192])
-@pytest.mark.parametrize("recipe", [None, pytest.param("bf16", marks=pytest.mark.xfail(
-    strict=True, reason="BUG: MegaMoECall reads shared-expert weights without their modules' DDP pre-hooks "
-                        "(overlap_param_gather): read mid all-gather / never waited"))])
+@pytest.mark.parametrize("recipe", [None, "bf16"])
 def test_shared_expert_weights_gathered_before_read(mcore_pool, recipe, bucket_size):
     """Distributed optimizer with overlap_param_gather and buckets small enough that a shared expert's
     weights share no bucket with a module called before mega_moe (mcore_cases.shared_expert_param_gather)."""
