@@ -58,9 +58,14 @@ def _signature(*tensors: torch.Tensor) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
 
 
+def _storage(tensors) -> tuple:
+    return tuple(None if t is None else t.data_ptr() for t in tensors)
+
+
 class GraphedMegaMoE:
-    """A mega_moe call over fixed weights (Parameters, whose storage never moves) and one buffer,
-    captured at its first call with gradients enabled and replayed afterwards.
+    """A mega_moe call over fixed weights (Parameters whose storage does not move: `serves` says
+    whether it still stands for a call's arguments) and one buffer, captured at its first call
+    with gradients enabled and replayed afterwards.
 
     call(x, topk_idx, topk_weights, recv_stats=None) -> y, like mega_moe with the weights given
     here. Built per layer (layers sharing a buffer keep their own layer_id and graphs).
@@ -83,6 +88,7 @@ class GraphedMegaMoE:
         self.buffer = buffer
         self.params = [p for p in (w1, w2, shared_w1, shared_w2) if p is not None]
         self.weights = (w1, w2, shared_w1, shared_w2)  # what eager calls read
+        self._weight_storage = _storage(self.weights)  # what the captured leaves alias
         self.backend = backend
         self.layer_id = layer_id
         self.warmup_calls = warmup_calls
@@ -92,6 +98,14 @@ class GraphedMegaMoE:
         self.replays = 0
         self.weight_preparations = 0  # replays of the weight-preparation graph (quantized recipes)
         self._prepared = self._prepared_state = None
+
+    def serves(self, buffer: SymmBuffer, w1, w2, shared_w1=None, shared_w2=None, fuse_wgrad_accumulation: bool = False) -> bool:
+        """Whether this stands for mega_moe over these arguments: the same buffer and fusion, the
+        same weights in the same storage. Megatron DDP moves parameters into its buffers when it
+        wraps the model, so a layer called before the wrap must build its graphed call anew."""
+        weights = (w1, w2, shared_w1, shared_w2)
+        return (buffer is self.buffer and bool(fuse_wgrad_accumulation) == self.fuse
+                and all(a is b for a, b in zip(weights, self.weights)) and _storage(weights) == self._weight_storage)
 
     # ------------------------------------------------------------------ capture
 
@@ -204,6 +218,13 @@ class GraphedMegaMoE:
         self.replays += 1
         y = _Replay.apply(self, self.pairs[overwrite], x, topk_weights, topk_idx, *self.params)
         if recv_stats is not None:
+            # checked after the replay: peers are in the same collective call (an eager call's
+            # check rides in its status exchange instead)
+            if (recv_stats.dtype != torch.int64 or recv_stats.shape != self.recv_counts.shape
+                    or recv_stats.device != self.recv_counts.device):
+                self.recv_counts.zero_()
+                raise ValueError(f"recv_stats: expected int64 {list(self.recv_counts.shape)} on {self.recv_counts.device}, "
+                                 f"got {recv_stats.dtype} {list(recv_stats.shape)} on {recv_stats.device}")
             recv_stats += self.recv_counts
         self.recv_counts.zero_()
         return y

@@ -112,7 +112,7 @@ class MegaMoECall:
         if graphs is None:  # asked once per config (the auto mode reads the device)
             graphs = self._graphs[cfg] = cuda_graphs_enabled(self.config, cfg, x.device)
         if graphs and isinstance(self.experts, MegaMoEExperts):
-            if self.graphed is None or self.graphed.buffer is not buffer:
+            if self.graphed is None or not self.graphed.serves(buffer, w1, w2, fuse_wgrad_accumulation=fuse, **shared):
                 self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
                                               layer_id=self.layer_id, fuse_wgrad_accumulation=fuse, **shared)
             return self.graphed(x, topk_idx, topk_weights, recv_stats)

@@ -1,14 +1,10 @@
-"""GraphedMegaMoE's capture bookkeeping on CPU, CUDA graphs faked (capture runs the code once,
-replay does nothing): what a call that raises during the first capture leaves behind.
-
-BUG (megamoe_train/graphs.py, _capture): the first capture makes the static inputs and leaves
-before its warm-up calls, but records the captured signature (and makes prep_graph) only at the
-end. When a warm-up call raises (e.g. MegaMoEInputError: too many tokens, raised on every rank,
-a recoverable error for eager calls), `self.leaves` is set, so every later call takes the
-"second pair" path: it copies into static inputs of the failed call's shape (RuntimeError for
-another shape, forever), or captures without ever recording a signature or making prep_graph
-(AttributeError after the capture; no signature check afterwards). Fixed: a capture is the
-first while no pair has been captured."""
+"""GraphedMegaMoE's bookkeeping on CPU, CUDA graphs faked (capture runs the code once, replay
+does nothing): a first capture whose warm-up call raises (e.g. MegaMoEInputError: too many
+tokens, which eager calls recover from) must leave no half-made static inputs behind, since it
+made them before its warm-up calls and recorded the signature (and the prep graph) only at the end:
+every later call then took the second pair's path (a RuntimeError copying into statics of the
+failed call's shape, or no prep graph and no signature check). And `serves`: whether a graphed
+call still stands for the layer's arguments (same buffer, fusion, weights and their storage)."""
 
 from __future__ import annotations
 
@@ -87,3 +83,18 @@ def test_call_after_a_failed_first_capture_same_shape(fake_cuda, monkeypatch):
     y = graphed(x, idx, tw)  # (was: AttributeError, no prep_graph)
     torch.testing.assert_close(y, fake_mega_moe(x, idx, tw, w1, w2, None))
     assert graphed._captured_signature is not None  # later calls of another shape run eagerly
+
+
+def test_serves_only_the_weights_and_storage_it_captured(fake_cuda):
+    """A graphed call stands for mega_moe over the buffer, weights and fusion it was built with;
+    weights moved to other storage (DDP's wrap puts parameters into its buffer) or another fusion
+    setting need a new one (megatron_patch.moe_layer rebuilds it), or its leaves would alias the
+    old storage."""
+    graphed, w1, w2 = make_graphed()
+    buffer = graphed.buffer
+    assert graphed.serves(buffer, w1, w2)
+    assert not graphed.serves(buffer, w1, w2, fuse_wgrad_accumulation=True)
+    assert not graphed.serves(SimpleNamespace(**vars(buffer)), w1, w2)
+    assert not graphed.serves(buffer, w1.detach().clone().requires_grad_(), w2)
+    w1.data = w1.data.clone()  # what DDP's wrap does to a parameter
+    assert not graphed.serves(buffer, w1, w2)
