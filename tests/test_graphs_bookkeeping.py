@@ -98,3 +98,16 @@ def test_serves_only_the_weights_and_storage_it_captured(fake_cuda):
     assert not graphed.serves(buffer, w1.detach().clone().requires_grad_(), w2)
     w1.data = w1.data.clone()  # what DDP's wrap does to a parameter
     assert not graphed.serves(buffer, w1, w2)
+
+
+def test_recv_stats_checked_on_replay(fake_cuda):
+    """A replay adds its rows per expert into recv_stats as an eager call does, and refuses one of
+    another dtype or shape, as an eager call's input check would (after the replay: the peers are
+    in the same collective call)."""
+    graphed, w1, w2 = make_graphed()
+    stats = torch.zeros(2, dtype=torch.int64)
+    graphed(*inputs(4, 0), recv_stats=stats)  # captured
+    graphed(*inputs(4, 1), recv_stats=stats)  # replayed
+    for bad in (torch.zeros(2), torch.zeros(3, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="recv_stats"):
+            graphed(*inputs(4, 2), recv_stats=bad)
