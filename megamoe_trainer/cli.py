@@ -93,10 +93,11 @@ def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: b
 
     from .train import run_rank
 
-    try:
-        run_rank(rank, world, recipe_dict, run_dir, resume)
-    finally:
-        finish_rank()
+    run_rank(rank, world, recipe_dict, run_dir, resume)
+    # Not in a `finally`: finish_rank is collective (the MegaMoE buffers' release barrier), and a
+    # rank that raised leaves its peers blocked in a collective it will never join; it would wait
+    # out that barrier's timeout (300 s) before exiting, and the launcher ends the peers only then.
+    finish_rank()
 
 
 def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):

@@ -390,6 +390,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("parallel.tensor_parallel", f"{p.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}")
     if p.tensor_parallel > 1 and moe.megamoe_recipe is not None:
         raise RecipeError("parallel.tensor_parallel", "MegaMoE layers support tensor_parallel 1 only (use expert_parallel)")
+    if p.tensor_parallel > 1:  # the stock MoELayer's forward raises in training under TP without sequence parallelism
+        raise RecipeError("parallel.tensor_parallel", "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
+                          "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)")
 
     # model shapes
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
