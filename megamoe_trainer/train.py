@@ -35,6 +35,17 @@ def _set_lr(optimizer, lr: float):
         group["lr"] = lr
 
 
+def _set_recipe_hyperparams(optimizer, recipe: Recipe):
+    """The recipe's weight decay and betas in every param group. Megatron's param groups carry
+    weight_decay = train.weight_decay for all of them and a wd_mult (0 for 1-D parameters: norms,
+    biases) that only its OptimizerParamScheduler multiplies in, which this trainer does not run;
+    and a checkpoint load replaces the groups with the writer's (its weight decay and betas)."""
+    t = recipe.train
+    for group in optimizer.param_groups:
+        group["weight_decay"] = t.weight_decay * group.get("wd_mult", 1.0)
+        group["betas"] = (t.adam_beta1, t.adam_beta2)
+
+
 class StockRouterLoad:
     """Per-expert routed rows of Megatron's stock MoE layers (recipes with moe.megamoe_recipe: null),
     counted from each router's routing map; MegaMoE layers count their own (get_expert_load)."""
@@ -235,6 +246,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
         start_step, consumed = state["step"], state["consumed_samples"]
         say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
+    _set_recipe_hyperparams(optimizer, recipe)
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
