@@ -360,6 +360,22 @@ def test_indexed_dataset_source(tmp_path):
     assert (again["tokens"] == batch["tokens"]).all()
 
 
+def test_indexed_corpus_checks_the_labels_token_ids_too():
+    """A token id past the vocabulary in a sample's last position reaches only the labels (the
+    inputs stop one token earlier): refused with the data.path message, not by the loss."""
+    import numpy as np
+
+    from megamoe_trainer.data import IndexedCorpus
+
+    corpus = IndexedCorpus.__new__(IndexedCorpus)
+    corpus.vocab_size, corpus.seq_length = 256, 4
+    text = np.array([5, 6, 7, 8, 300])
+    corpus.dataset = [{"tokens": text[:-1], "labels": text[1:], "loss_mask": np.ones(4, np.float32),
+                       "position_ids": np.arange(4)}]
+    with pytest.raises(ValueError, match="data.path: token id 300"):
+        corpus.batch([0])
+
+
 def test_deepseek_proxy_features_train_on_cpu(tmp_path):
     """The DeepSeek-V3 proxy's feature set (fp8 MegaMoE recipe, sigmoid router with expert bias,
     group-limited top-8, shared expert, dense first layer, sequence aux loss), shrunk to CPU size."""
