@@ -361,6 +361,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("run.dir", "must not be empty")
     if r.profile_at is not None and r.profile_at + r.profile_steps - 1 > t.steps:
         raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit in train.steps={t.steps}")
+    if r.profile_at is not None and t.stop_at is not None and r.profile_at <= t.stop_at < r.profile_at + r.profile_steps - 1:
+        # the invocation would end with the profiler open: no trace, no profile summary, silently
+        raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit before train.stop_at={t.stop_at}")
     if t.min_lr > t.lr:
         raise RecipeError("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
     for dotted, value in (("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)):

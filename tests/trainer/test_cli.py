@@ -109,6 +109,7 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["model.attention=flash"], "model.attention"),
         (["run.peak_tflops=0"], "run.peak_tflops"),
         (["train.steps=10", "run.profile_at=9"], "run.profile_at"),  # steps 9..11 do not fit
+        (["train.stop_at=4", "run.profile_at=3"], "run.profile_at"),  # steps 3..5: the invocation ends at 4
         (["train.adam_moments_dtype=fp16"], "train.adam_moments_dtype"),
         (["train.adam_moments_dtype=bf16"], "train.adam_moments_dtype"),  # the AdamW kernel needs CUDA
         (["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.adam_beta2=0.999"],
