@@ -16,6 +16,7 @@ and in every rank it starts. MEGAMOE_VERBOSE=1 keeps the chatter.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.stop_at is not None:
         overrides.append(f"train.stop_at={args.stop_at}")
-    if args.run_dir is not None:
-        overrides.append(f"run.dir={args.run_dir}")
+    if args.run_dir is not None:  # a path, taken as written (quoted: YAML would read 123, yes, "a #b", "a: b" otherwise)
+        overrides.append(f"run.dir={json.dumps(args.run_dir)}")
     try:
         recipe = load_recipe(args.recipe, overrides)
         if args.check:
@@ -171,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError("run.resume", f"no checkpoint to resume from in {run_dir}/checkpoints")
         resume = bool(resume) and latest is not None  # "auto": resume when there is one
         if resume:
-            import json
-
             with open(os.path.join(latest, "meta.json")) as f:
                 saved_world = json.load(f).get("world_size")
             if saved_world != recipe.parallel.world_size:

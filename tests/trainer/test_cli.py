@@ -132,6 +132,15 @@ def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
     assert info.value.key == key
 
 
+@pytest.mark.parametrize("name", ["123", "yes", "exp #2", "a: b", "null", "ü [1]"])
+def test_run_dir_flag_is_taken_literally(tmp_path, capsys, name):
+    """--run-dir is a path: not read as YAML (a number or yes refused, a ' #' comment cut off)."""
+    import yaml
+
+    assert cli_main([TINY, "--run-dir", name, "--check"]) == 0, capsys.readouterr().err  # --check creates nothing
+    assert yaml.safe_load(capsys.readouterr().out)["run"]["dir"] == name
+
+
 def test_bad_recipe_file(tmp_path, capsys):
     assert cli_main([str(tmp_path / "missing.yaml")]) == 2
     assert "file not found" in capsys.readouterr().err
