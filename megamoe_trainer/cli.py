@@ -16,6 +16,7 @@ and in every rank it starts. MEGAMOE_VERBOSE=1 keeps the chatter.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -93,10 +94,11 @@ def _rank_main(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: b
 
     from .train import run_rank
 
-    try:
-        run_rank(rank, world, recipe_dict, run_dir, resume)
-    finally:
-        finish_rank()
+    run_rank(rank, world, recipe_dict, run_dir, resume)
+    # Not in a `finally`: finish_rank is collective (the MegaMoE buffers' release barrier), and a
+    # rank that raised leaves its peers blocked in a collective it will never join; it would wait
+    # out that barrier's timeout (300 s) before exiting, and the launcher ends the peers only then.
+    finish_rank()
 
 
 def rank_entry(rank: int, world: int, port: int, backend: str, recipe_dict: dict, run_dir: str, resume: bool):
@@ -152,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.stop_at is not None:
         overrides.append(f"train.stop_at={args.stop_at}")
-    if args.run_dir is not None:
-        overrides.append(f"run.dir={args.run_dir}")
+    if args.run_dir is not None:  # a path, taken as written (quoted: YAML would read 123, yes, "a #b", "a: b" otherwise)
+        overrides.append(f"run.dir={json.dumps(args.run_dir)}")
     try:
         recipe = load_recipe(args.recipe, overrides)
         if args.check:
@@ -170,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError("run.resume", f"no checkpoint to resume from in {run_dir}/checkpoints")
         resume = bool(resume) and latest is not None  # "auto": resume when there is one
         if resume:
-            import json
-
             with open(os.path.join(latest, "meta.json")) as f:
                 saved_world = json.load(f).get("world_size")
             if saved_world != recipe.parallel.world_size:

@@ -127,8 +127,9 @@ class IndexedCorpus:
     def batch(self, indices) -> dict:
         samples = [self.dataset[int(i) % len(self.dataset)] for i in indices]
         out = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-        if int(out["tokens"].max()) >= self.vocab_size:
-            raise ValueError(f"data.path: token id {int(out['tokens'].max())} is not below model.vocab_size={self.vocab_size}")
+        top = max(int(out["tokens"].max()), int(out["labels"].max()))  # labels hold one token past the inputs
+        if top >= self.vocab_size:
+            raise ValueError(f"data.path: token id {top} is not below model.vocab_size={self.vocab_size}")
         return out
 
 

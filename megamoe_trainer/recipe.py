@@ -361,6 +361,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("run.dir", "must not be empty")
     if r.profile_at is not None and r.profile_at + r.profile_steps - 1 > t.steps:
         raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit in train.steps={t.steps}")
+    if r.profile_at is not None and t.stop_at is not None and r.profile_at <= t.stop_at < r.profile_at + r.profile_steps - 1:
+        # the invocation would end with the profiler open: no trace, no profile summary, silently
+        raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit before train.stop_at={t.stop_at}")
     if t.min_lr > t.lr:
         raise RecipeError("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
     for dotted, value in (("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)):
@@ -390,6 +393,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("parallel.tensor_parallel", f"{p.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}")
     if p.tensor_parallel > 1 and moe.megamoe_recipe is not None:
         raise RecipeError("parallel.tensor_parallel", "MegaMoE layers support tensor_parallel 1 only (use expert_parallel)")
+    if p.tensor_parallel > 1:  # the stock MoELayer's forward raises in training under TP without sequence parallelism
+        raise RecipeError("parallel.tensor_parallel", "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
+                          "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)")
 
     # model shapes
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:

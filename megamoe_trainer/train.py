@@ -35,6 +35,17 @@ def _set_lr(optimizer, lr: float):
         group["lr"] = lr
 
 
+def _set_recipe_hyperparams(optimizer, recipe: Recipe):
+    """The recipe's weight decay and betas in every param group. Megatron's param groups carry
+    weight_decay = train.weight_decay for all of them and a wd_mult (0 for 1-D parameters: norms,
+    biases) that only its OptimizerParamScheduler multiplies in, which this trainer does not run;
+    and a checkpoint load replaces the groups with the writer's (its weight decay and betas)."""
+    t = recipe.train
+    for group in optimizer.param_groups:
+        group["weight_decay"] = t.weight_decay * group.get("wd_mult", 1.0)
+        group["betas"] = (t.adam_beta1, t.adam_beta2)
+
+
 class StockRouterLoad:
     """Per-expert routed rows of Megatron's stock MoE layers (recipes with moe.megamoe_recipe: null),
     counted from each router's routing map; MegaMoE layers count their own (get_expert_load)."""
@@ -235,6 +246,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
         start_step, consumed = state["step"], state["consumed_samples"]
         say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
+    _set_recipe_hyperparams(optimizer, recipe)
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
@@ -343,15 +355,18 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     if recipe.run.checkpoint and last > last_ckpt_step:
         path = ckpt.save_checkpoint(run_dir, last, consumed, model, optimizer, device, {"recipe": recipe.to_dict()})
         say(f"[megamoe-train] checkpoint saved: {path}")
-    summary = _summary(device, totals, profiler, run_dir)
+    if last > start_step:  # nothing ran: summary.json of the steps that did stays (every rank decides alike)
+        summary = _summary(device, totals, profiler, run_dir)
     if report is not None and report.metrics.records and last > start_step:  # nothing ran: no summary of old steps
         report.plot()
         records = report.metrics.records
         wall = time.perf_counter() - run_start
         tps = summary["tokens_per_s"]
         # the first steps carry compilation and allocator warm-up: give the steady rate beside the mean
-        warm = min(5, len(records) // 4)
-        steady = statistics.median(r["tokens_per_s"] for r in records[warm:])
+        # (this invocation's steps: after a resume the records also hold the earlier invocations')
+        ran = [r for r in records if r["step"] > start_step]
+        warm = min(5, len(ran) // 4)
+        steady = statistics.median(r["tokens_per_s"] for r in ran[warm:])
         print(f"[megamoe-train] {'done' if last == steps else 'stopped (train.stop_at)'}: steps {start_step + 1}..{last} in {wall:.1f} s "
               f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
               f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "

@@ -104,9 +104,12 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["moe.megamoe_backend=warp9"], "moe.megamoe_backend"),  # rejected by the adapter's config check
         (["moe.megamoe_cuda_graph=true"], "moe.megamoe_cuda_graph"),  # CUDA graphs on the CPU recipe
         (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
+        # stock MoE under TP: Megatron's MoELayer raises in training without sequence parallelism
+        (["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "moe.megamoe_recipe=null"], "parallel.tensor_parallel"),
         (["model.attention=flash"], "model.attention"),
         (["run.peak_tflops=0"], "run.peak_tflops"),
         (["train.steps=10", "run.profile_at=9"], "run.profile_at"),  # steps 9..11 do not fit
+        (["train.stop_at=4", "run.profile_at=3"], "run.profile_at"),  # steps 3..5: the invocation ends at 4
         (["train.adam_moments_dtype=fp16"], "train.adam_moments_dtype"),
         (["train.adam_moments_dtype=bf16"], "train.adam_moments_dtype"),  # the AdamW kernel needs CUDA
         (["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.adam_beta2=0.999"],
@@ -127,6 +130,15 @@ def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
     with pytest.raises(RecipeError) as info:
         load_recipe(path, overrides)
     assert info.value.key == key
+
+
+@pytest.mark.parametrize("name", ["123", "yes", "exp #2", "a: b", "null", "ü [1]"])
+def test_run_dir_flag_is_taken_literally(tmp_path, capsys, name):
+    """--run-dir is a path: not read as YAML (a number or yes refused, a ' #' comment cut off)."""
+    import yaml
+
+    assert cli_main([TINY, "--run-dir", name, "--check"]) == 0, capsys.readouterr().err  # --check creates nothing
+    assert yaml.safe_load(capsys.readouterr().out)["run"]["dir"] == name
 
 
 def test_bad_recipe_file(tmp_path, capsys):
@@ -196,6 +208,7 @@ def test_train_checkpoint_resume(tmp_path):
     assert code == 0, out + err
     assert "resumed from" in out and "at step 4" in out, out
     assert "step     5/6" in out and "step     1/6" not in out, out
+    assert "median after the first 0:" in out, out  # this invocation's 2 steps, not the run's 6
     resumed = _metrics(run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert resumed[:4] == first
@@ -211,8 +224,13 @@ def test_train_checkpoint_resume(tmp_path):
         assert a["expert_load"] == b["expert_load"]
         assert a["lr"] == b["lr"]
     # a finished run asked for the same steps: nothing runs, and no summary of the old steps
+    with open(os.path.join(ref, "summary.json")) as f:
+        ref_summary = json.load(f)
+    assert ref_summary["tokens_per_s"] > 0
     code, out, err = _run_cli([TINY, *SMALL, "--run-dir", ref, "--steps", "6"])
     assert code == 0 and "nothing to do: the checkpoint is at step 6" in out and "done:" not in out, out + err
+    with open(os.path.join(ref, "summary.json")) as f:
+        assert json.load(f) == ref_summary  # not overwritten by the invocation that ran no step
 
     # the MegaMoE run's checkpoint (model + optimizer) continues with Megatron's stock MoE layers
     # (same parameters and checkpoint keys), and a finished run given more steps continues
@@ -223,6 +241,39 @@ def test_train_checkpoint_resume(tmp_path):
 
     # a checkpoint written by 2 ranks is not resumed by 1 (refused before any rank starts)
     assert cli_main([TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]) == 2
+
+
+_FAILING_RANK = """
+import sys
+import megamoe_trainer.data as data
+
+_batch = data.SyntheticCorpus.batch
+
+
+def batch(self, indices):
+    import torch.distributed as dist
+    if dist.get_rank() == 1 and indices[0] >= 40:  # rank 1 raises while fetching step 6's batch
+        raise RuntimeError("injected data failure")
+    return _batch(self, indices)
+
+
+data.SyntheticCorpus.batch = batch  # module level: spawned ranks import this file as __mp_main__
+if __name__ == "__main__":
+    from megamoe_trainer.cli import main
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_raises_ends_the_job_promptly(tmp_path):
+    """Rank 1 raises outside the MoE layers while rank 0 waits in a collective: the job exits
+    with the rank's error at once (its MegaMoE buffers' release barrier would have waited out its
+    300 s timeout for the blocked peer, and the launcher ends the other ranks only then)."""
+    script = _write(tmp_path, _FAILING_RANK, "failing_rank.py")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, script, TINY, *SMALL, "--run-dir", str(tmp_path / "run"), "--steps", "10",
+                           "--set", "run.checkpoint=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "megamoe-train: error: rank 1 failed: RuntimeError: injected data failure" in proc.stderr, proc.stderr
 
 
 def test_gradient_accumulation_matches_one_large_micro_batch(tmp_path):
@@ -317,6 +368,22 @@ def test_indexed_dataset_source(tmp_path):
     assert int(batch["tokens"].max()) < 256
     again = IndexedCorpus(prefix, 256, 32, seed=1, num_samples=64, cache_dir=str(tmp_path / "cache")).batch(range(8))
     assert (again["tokens"] == batch["tokens"]).all()
+
+
+def test_indexed_corpus_checks_the_labels_token_ids_too():
+    """A token id past the vocabulary in a sample's last position reaches only the labels (the
+    inputs stop one token earlier): refused with the data.path message, not by the loss."""
+    import numpy as np
+
+    from megamoe_trainer.data import IndexedCorpus
+
+    corpus = IndexedCorpus.__new__(IndexedCorpus)
+    corpus.vocab_size, corpus.seq_length = 256, 4
+    text = np.array([5, 6, 7, 8, 300])
+    corpus.dataset = [{"tokens": text[:-1], "labels": text[1:], "loss_mask": np.ones(4, np.float32),
+                       "position_ids": np.arange(4)}]
+    with pytest.raises(ValueError, match="data.path: token id 300"):
+        corpus.batch([0])
 
 
 def test_deepseek_proxy_features_train_on_cpu(tmp_path):
