@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         device = check_environment(recipe)
         run_dir = os.path.abspath(recipe.run.dir)
-        from .checkpoint import latest_checkpoint
+        from .checkpoint import LATEST, checkpoint_root, latest_checkpoint
 
         resume = recipe.run.resume if args.resume is None else args.resume
         latest = latest_checkpoint(run_dir)
@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         return _fail(str(e), EXIT_BAD_RECIPE)
     os.makedirs(run_dir, exist_ok=True)
+    if not resume and latest is not None:  # starting over: a crash before the first save must not resume the old run
+        os.remove(os.path.join(checkpoint_root(run_dir), LATEST))
+        print(f"[megamoe-train] starting over in {run_dir}: checkpoints/latest no longer names the earlier run's "
+              f"{os.path.basename(latest)} (its files stay until overwritten)", flush=True)
     with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
         yaml.safe_dump(recipe.to_dict(), f, sort_keys=False)
     return _launch(recipe, device, run_dir, resume)

@@ -231,6 +231,11 @@ def test_train_checkpoint_resume(tmp_path):
     assert code == 0 and "nothing to do: the checkpoint is at step 6" in out and "done:" not in out, out + err
     with open(os.path.join(ref, "summary.json")) as f:
         assert json.load(f) == ref_summary  # not overwritten by the invocation that ran no step
+    # starting over in a run dir with checkpoints: checkpoints/latest goes at once, so a new run
+    # that dies before its first save is not resumed from the old run's checkpoint
+    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", ref, "--steps", "1", "--no-resume", "--set", "run.checkpoint=false"])
+    assert code == 0 and "starting over" in out and "step     1/1" in out, out + err
+    assert not os.path.exists(os.path.join(ref, "checkpoints", "latest"))
 
     # the MegaMoE run's checkpoint (model + optimizer) continues with Megatron's stock MoE layers
     # (same parameters and checkpoint keys), and a finished run given more steps continues
