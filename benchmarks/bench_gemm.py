@@ -29,7 +29,7 @@ layer, where an expert's last 128-row tile is mostly partial.
   gradient_accumulation_fusion, every variant, vs torch bf16 mm then add_ (Megatron's unfused wgrad
   and DDP's add).
 Peaks: torch.mm bf16 and torch._scaled_mm fp8 (row-wise scales) at 8192^3, and the HBM write rate
-(zero_ of 4 GiB), same run.
+(zero_ of 4 GiB of fp32), same run.
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ def peaks(dev) -> tuple[float, float, float]:
     aq, bq = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
     sa, sb = torch.rand(n, 1, device=dev) + 0.5, torch.rand(1, n, device=dev) + 0.5
     fp8 = flops / bench(lambda: torch._scaled_mm(aq, bq, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)) / 1e9
-    buf = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
-    write = buf.numel() / bench(lambda: buf.zero_()) / 1e6
+    # fp32, the dtype of the main_grad the write floors bound: a uint8 zero_ wrote ~3.35 TB/s where
+    # main_grad.zero_ (fp32) of the same run wrote ~4.4 TB/s, so it was no floor (2026-12-01 raw file)
+    buf = torch.empty(1 << 30, dtype=torch.float32, device=dev)
+    write = buf.numel() * buf.element_size() / bench(lambda: buf.zero_()) / 1e6
     del buf
     return bf16, fp8, write
 
@@ -260,7 +262,7 @@ def main():
     bf16_peak, fp8_peak, write_gbs = peaks(dev)
     gemms = set(args.gemms.split(","))
     print(f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
-          f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s, HBM write (zero_ 4 GiB) {write_gbs:.0f} GB/s; "
+          f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s, HBM write (fp32 zero_ 4 GiB) {write_gbs:.0f} GB/s; "
           f"CUTLASS extension: {cutlass_gemm.available(dev)}")
     details = []
 

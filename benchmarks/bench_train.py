@@ -9,7 +9,8 @@ extensions copied in), then `--tree base=../base --repeat 2` runs every variant 
 and from base, alternating, two rounds.
 
 Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Reported per variant:
-- tokens/s: median of the per-step global tokens/s after the warm-up steps, profiled steps excluded;
+- tokens/s: median of the per-step global tokens/s after the warm-up steps, profiled steps and the
+  one after them (it holds the trace export) excluded;
 - MFU at that rate (FLOPs-per-token formula in docs/trainer.md, peak = recipe run.peak_tflops);
 - GPU busy: union of kernel/copy intervals over wall time of `--profile-steps` steps under the torch
   profiler (rank 0; CUDA only), and the MoE layers' share of kernel time;
@@ -133,11 +134,12 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def analyze(result: dict, warmup: int, profiled: set[int], reference: dict | None) -> dict:
+def analyze(result: dict, warmup: int, untimed: set[int], reference: dict | None) -> dict:
+    """untimed: steps left out of the rates besides the warm-up (the profiled ones and the next)."""
     if "error" in result:
         return result
     recs = result["records"]
-    timed = [r for r in recs if r["step"] > warmup and r["step"] not in profiled] or recs
+    timed = [r for r in recs if r["step"] > warmup and r["step"] not in untimed] or recs
     tps = statistics.median(r["tokens_per_s"] for r in timed)
     mfu = statistics.median(r["mfu"] for r in timed)
     prof = (result["summary"].get("profile") or [None])[0]
@@ -313,6 +315,9 @@ def main(argv=None) -> int:
     if args.profile_steps > 0 and args.steps >= warmup + args.profile_steps + 1:
         profile_at = max(warmup + 1, args.steps - args.profile_steps - 2)
     profiled = set(range(profile_at, profile_at + args.profile_steps)) if profile_at else set()
+    # the step after them is left out too: its time (GPU events from the previous step's end) holds
+    # the profiler's trace export, which ran on the host while the GPU idled
+    untimed = profiled | {profile_at + args.profile_steps} if profile_at else set()
     os.makedirs(args.out, exist_ok=True)
 
     trees = [(None, None)]
@@ -330,10 +335,11 @@ def main(argv=None) -> int:
     results = {key: run_variant(args.recipe, n, args.steps, args.out, args.overrides, profile_at, args.profile_steps,
                                 key, tree) for key, n, tree in runs}
     reference = results.get("stock" if args.repeat == 1 else "stock#1")
-    rows = [analyze(results[key], warmup, profiled, reference if n != "stock" else None) for key, n, _ in runs]
+    rows = [analyze(results[key], warmup, untimed, reference if n != "stock" else None) for key, n, _ in runs]
     table = markdown(rows, args.recipe, args.steps)
     print(table, flush=True)
     out = {"recipe": args.recipe, "steps": args.steps, "warmup": warmup, "profiled_steps": sorted(profiled),
+           "untimed_steps": sorted(untimed),
            "overrides": args.overrides, "rows": rows, "table": table}
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -28,6 +28,7 @@ def test_bench_train_cpu(tmp_path):
     assert "| variant | tokens/s | MFU |" in proc.stdout
     out = json.load(open(tmp_path / "bench_train.json"))
     assert out["profiled_steps"] == [2, 3]
+    assert out["untimed_steps"] == [2, 3, 4]  # the step after the profiled ones holds the trace export (CUDA)
     rows = {r["variant"]: r for r in out["rows"]}
     assert set(rows) == {"bf16", "fp8", "stock"}
     for name, r in rows.items():

@@ -1,0 +1,43 @@
+"""benchmarks/bench_layer.py's bookkeeping on CPU: the verdict of the correctness check and the
+floor's FLOP and byte counts (no process group, no GPU)."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_layer as bl  # noqa: E402
+
+
+def test_verdict_covers_the_backward():
+    ok = dict(err_y=5e-3, err_dx=6e-3, err_dtw=4e-3)
+    assert bl.case_agrees(ok, "bf16")
+    # a backward that disagrees is a MISMATCH though y agrees (it used to pass: only y was compared)
+    assert not bl.case_agrees(dict(ok, err_dx=0.5), "bf16")
+    assert not bl.case_agrees(dict(ok, err_dtw=float("nan")), "bf16")
+    fp8 = dict(err_y=9.1e-2, err_dx=7.7e-2, err_dtw=9.2e-2, err_y_ours_vs_bf16=6.4e-2)  # the largest stored errors
+    assert bl.case_agrees(fp8, "fp8")
+    assert not bl.case_agrees(dict(fp8, err_y_ours_vs_bf16=0.2), "fp8")
+
+
+def test_floor_counts():
+    H, I = 4096, 2048
+    rates = dict(gemm_bf16_tflops=800.0, gemm_fp8_tflops=1400.0, nvlink_gbps=400.0, hbm_gbps=None)
+    # rank 0 busier in GEMMs, rank 1 with more rows arriving
+    stats = dict(per_rank=[dict(recv_rows=50_000, dispatch_in=1000, combine_in=3000),
+                           dict(recv_rows=40_000, dispatch_in=9000, combine_in=2000)])
+    for recipe, rate, act in (("bf16", 800.0, 2), ("fp8", 1400.0, 1)):
+        f_fwd, f_all, detail = bl.floor_ms(stats, H, I, recipe, rates)
+        gemm = 6.0 * 50_000 * H * I / (rate * 1e12) * 1e3  # L1 2*rows*H*2I + L2 2*rows*I*H
+        # rank 1: in = 9000 dispatch rows (activation format) + 2000 combine rows (bf16); out the reverse
+        fwd_bytes = max(9000 * H * act + 2000 * H * 2, 2000 * H * act + 9000 * H * 2)
+        link_fwd = fwd_bytes / 400e9 * 1e3
+        link_all = (fwd_bytes + (9000 + 2000) * H * 2) / 400e9 * 1e3
+        assert detail["gemm_fwd_ms"] == pytest.approx(gemm)
+        assert detail["nvlink_fwd_ms"] == pytest.approx(link_fwd)
+        assert detail["nvlink_fwdbwd_ms"] == pytest.approx(link_all)
+        assert f_fwd == pytest.approx(max(gemm, link_fwd))
+        assert f_all == pytest.approx(max(3 * gemm, link_all))
