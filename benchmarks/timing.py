@@ -1,5 +1,8 @@
 """The one way the micro-benchmarks time a GPU call: warm up, then time each call alone between
-two CUDA events and take the median (a call's own time, not a mean pulled by stragglers)."""
+two CUDA events and take the median (a call's own time, not a mean pulled by stragglers). Before
+each call the GPU spins for ~0.1 ms while the host queues the events and the call, so the host's
+launch time stays outside the events (it was inside before 2026-12-01: a few to ~15% of a
+sub-millisecond kernel's time)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import statistics
 
 import torch
 
+_SPIN_CYCLES = 200_000  # ~0.1 ms at H200 clocks: longer than queueing a few launches
 
 def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
@@ -15,6 +19,7 @@ def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SPIN_CYCLES)
         start.record()
         fn()
         end.record()
