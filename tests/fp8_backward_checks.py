@@ -92,6 +92,54 @@ def check_quantize_rows(device):
     assert (out[live:].view(torch.uint8) == POISON_E4M3).all() and scales[live:].isnan().all(), "rows past num_rows written"
 
 
+def same_values(got, want, what):
+    """Equal as values, NaN where the other is NaN (a NaN's sign and payload may differ by device)."""
+    got, want = got.float(), want.float()
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN positions differ"
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), f"{what}: values differ"
+
+
+def check_quantizers_keep_nan(device):
+    """A NaN or inf in a block makes the block what quant.py makes it (NaN scale, NaN or zero
+    codes), in the row quantizer (stored x, the dgrad's dY), the wgrad operands' and SwiGLU's
+    requantization: the shared rounding helper must not clamp a NaN to -448 and take the other
+    elements' amax (a NaN input would come out finite, and a NaN-poisoned row read by mistake
+    would pass unseen)."""
+    P, W = 8, 384
+    data = spread_randn(P, W, seed=12)
+    data[1, 5] = float("nan")
+    data[2, 130] = float("inf")
+    data[4, 300] = -float("inf")
+    data[5, 7], data[5, 200] = float("nan"), float("inf")
+    data = data.to(torch.bfloat16)
+    out, scales = poisoned_e4m3(P, W, device=device), nans(P, W // 128, device=device)
+    K_.quantize_rows(data.to(device), out, scales, live_rows(P, device))
+    ref_q, ref_s = quantize_grad(data, FP8)
+    same_values(scales.cpu(), ref_s, "quantize_rows scales (NaN / inf rows)")
+    same_values(out.cpu(), ref_q, "quantize_rows data (NaN / inf rows)")
+
+    # the wgrad operands: blocks of 128 rows per column
+    src = spread_randn(256, 256, seed=13)
+    src[3, 10] = float("nan")
+    src[140, 20] = float("inf")
+    src = src.to(torch.bfloat16)
+    row_slot = torch.zeros(256, dtype=torch.int32)
+    out_t, out_ts = poisoned_e4m3(256, 256, device=device), nans(256, 2, device=device)
+    K_.quantize_tokens_t(src.to(device), None, row_slot.to(device), live_rows(256, device), out_t, out_ts)
+    want_t, want_ts = quantize_tokens_t(src.float(), RECIPES["fp8_e4m3_wgrad"])
+    same_values(out_ts.cpu(), want_ts, "quantize_tokens_t scales (NaN / inf)")
+    same_values(out_t.cpu(), want_t, "quantize_tokens_t data (NaN / inf)")
+
+    # SwiGLU's requantization of a = silu(g) * u * w: a NaN pre-activation gives a NaN block
+    h = torch.randn(4, 512, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    h[2, 3] = float("nan")
+    row_w = torch.ones(4)
+    act, act_s = poisoned_e4m3(4, 256, device=device), nans(4, 2, device=device)
+    K_.swiglu_forward(h.to(device), row_w.to(device), act, act_s, live_rows(4, device), 128, None)
+    assert act_s.cpu()[2, 0].isnan() and not act_s.cpu()[[0, 1, 3]].isnan().any(), "swiglu_forward scale of a NaN block"
+    assert act.cpu()[2, :128].float().isnan().all(), "swiglu_forward: a NaN block's codes"
+
+
 def _wgrad_pool(seed):
     """row_slot of a 128-aligned pool: experts of 130, 0, 200 and 50 rows (ends 256, 256, 512, 640),
     one more 128-row block past num_rows = 640 (P = 768)."""
@@ -369,6 +417,7 @@ def run_all(device) -> dict:
     for recipe in ("bf16", "fp8"):
         check_pull_inputs(device, recipe)
     check_quantize_rows(device)
+    check_quantizers_keep_nan(device)
     for clamp in (None, 0.75):
         check_swiglu_backward_quantized(device, clamp)
     check_swiglu_forward_quantized(device)
@@ -377,11 +426,13 @@ def run_all(device) -> dict:
 
 
 def main(argv):
-    """No argument: run_all; `wgrad_quant`: check_quantize_tokens_t only."""
+    """No argument: run_all; `wgrad_quant`: check_quantize_tokens_t only; `nan`: check_quantizers_keep_nan only."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     exact_downcasts()
     if argv[1:] == ["wgrad_quant"]:
         check_quantize_tokens_t("cpu")
+    elif argv[1:] == ["nan"]:
+        check_quantizers_keep_nan("cpu")
     else:
         for recipe, errors in run_all("cpu").items():
             for name, (err, err_unquantized) in errors.items():

@@ -109,6 +109,63 @@ def test_wgrad_store_rejects_bad_operands_before_touching_a_device(args, message
         cutlass_gemm.bf16_wgrad_grouped_gemm(*args)
 
 
+def fp8_operands(m=256, n=256, k=384, groups=3):
+    a = torch.zeros(m, k, dtype=E4M3)
+    a_s = torch.ones(m, k // 128)
+    b = torch.zeros(groups, n, k, dtype=E4M3)
+    b_s = torch.ones(groups, n // 128, k // 128)
+    ends = torch.tensor([64, 64, 256][:groups], dtype=torch.int32)
+    return [a, a_s, b, b_s, ends, torch.empty(m, n, dtype=torch.bfloat16)]
+
+
+def bf16_operands(m=256, n=256, k=384, groups=3):
+    a = torch.zeros(m, k, dtype=torch.bfloat16)
+    b = torch.zeros(groups, n, k, dtype=torch.bfloat16)
+    ends = torch.tensor([64, 64, 256][:groups], dtype=torch.int32)
+    return [a, b, ends, torch.empty(m, n, dtype=torch.bfloat16)]
+
+
+def misaligned(shape, dtype):
+    """A contiguous tensor of this shape starting 2 bytes past a 16-byte boundary."""
+    skip = 2 // torch.empty((), dtype=dtype).element_size() or 1
+    n = torch.Size(shape).numel()
+    t = torch.zeros(n + skip, dtype=dtype)[skip:].view(shape)
+    assert t.is_contiguous() and t.data_ptr() % 16
+    return t
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (bad_case(0, misaligned((256, 384), E4M3), fp8_operands), "a must start at a 16-byte aligned"),
+        (bad_case(2, misaligned((3, 256, 384), E4M3), fp8_operands), "b must start at a 16-byte aligned"),
+        (bad_case(5, misaligned((256, 256), torch.bfloat16), fp8_operands), "out must start at a 16-byte aligned"),
+        (bad_case(0, torch.zeros(256, 384, dtype=torch.bfloat16), fp8_operands), "a must be a contiguous torch.float8_e4m3fn"),
+        (bad_case(2, torch.zeros(3, 256, 200, dtype=E4M3), fp8_operands), "b must be .* shape \\[3, 256, 384\\]"),
+        (bad_case(0, torch.zeros(384, dtype=E4M3), fp8_operands), "a \\[M, K\\] and b \\[G, N, K\\] expected"),
+        (fp8_operands(), "must be CUDA tensors"),  # everything else is right
+    ],
+)
+def test_fp8_grouped_gemm_rejects_bad_operands_before_touching_a_device(args, message):
+    with pytest.raises(ValueError, match=f"fp8_grouped_gemm: .*{message}"):
+        cutlass_gemm.fp8_grouped_gemm(*args)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (bad_case(0, misaligned((256, 384), torch.bfloat16), bf16_operands), "a must start at a 16-byte aligned"),
+        (bad_case(1, misaligned((3, 256, 384), torch.bfloat16), bf16_operands), "b must start at a 16-byte aligned"),
+        (bad_case(3, misaligned((256, 256), torch.bfloat16), bf16_operands), "out must start at a 16-byte aligned"),
+        (bad_case(1, torch.zeros(3, 384, 256, dtype=torch.bfloat16).transpose(1, 2), bf16_operands), "b must be a contiguous"),
+        (bf16_operands(), "must be CUDA tensors"),
+    ],
+)
+def test_bf16_grouped_gemm_rejects_bad_operands_before_touching_a_device(args, message):
+    with pytest.raises(ValueError, match=f"bf16_grouped_gemm: .*{message}"):
+        cutlass_gemm.bf16_grouped_gemm(*args)
+
+
 needs_extension = pytest.mark.skipif(cutlass_gemm._cuda is None, reason="megamoe_train._cuda not built")
 
 

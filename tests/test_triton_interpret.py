@@ -21,3 +21,9 @@ def test_wgrad_quantize_tokens_t_in_triton_interpreter():
     """The wgrad operands' quantization kernel bit for bit quant.quantize_tokens_t (bf16 and e4m3
     sources, NaN padding rows, poisoned output, every column tile)."""
     _run_checks("wgrad_quant")
+
+
+def test_row_quantizers_propagate_nan_in_triton_interpreter():
+    """A NaN or inf in a 1x128 block: the row quantizer, the wgrad operands' and SwiGLU's
+    requantization give what quant.py gives (a NaN scale for a NaN block), not a finite -448."""
+    _run_checks("nan")

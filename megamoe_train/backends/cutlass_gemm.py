@@ -105,6 +105,20 @@ def _require_extension(fn: str) -> None:
         raise RuntimeError(f"{fn}: megamoe_train._cuda was not built (needs nvcc and nvidia-cutlass at install)")
 
 
+def _tma_operands_on_cuda(fn: str, tma_operands: dict) -> torch.device:
+    """After a wrapper's shape checks: every operand the GEMM reads or writes by TMA starts 16-byte
+    aligned (a contiguous view can start anywhere; the row strides are checked by the shapes), the
+    operands are CUDA tensors and the extension is built. Returns their device."""
+    for name, t in tma_operands.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
+    dev = next(iter(tma_operands.values())).device
+    if dev.type != "cuda":
+        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
+    _require_extension(fn)
+    return dev
+
+
 # the depth-grouped (wgrad) GEMMs: (default variant, swizzle) and the extension's variant count
 _DEPTH_GROUPED = {
     "fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"),
@@ -117,13 +131,7 @@ _DEPTH_GROUPED = {
 def _depth_grouped_launch(fn: str, kind: str, tma_operands: dict, groups: int, variant, swizzle):
     """After a wgrad wrapper's shape checks: TMA alignment and CUDA placement of its operands, the
     extension, the variant; returns (variant, swizzle, stream, workspace)."""
-    for name, t in tma_operands.items():
-        if t.data_ptr() % 16:
-            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address (TMA), got {t.data_ptr():#x}")
-    dev = next(iter(tma_operands.values())).device
-    if dev.type != "cuda":
-        raise ValueError(f"{fn}: the operands must be CUDA tensors, got {dev}")
-    _require_extension(fn)
+    dev = _tma_operands_on_cuda(fn, tma_operands)
     (default_variant, default_swizzle), count_attr = _DEPTH_GROUPED[kind]
     variant = default_variant if variant is None else variant
     swizzle = default_swizzle if swizzle is None else swizzle
@@ -138,7 +146,9 @@ def fp8_grouped_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int | N
     """a e4m3 [M, K], a_scales fp32 [M, K/128]; b e4m3 [G, N, K], b_scales fp32 [G, N/128, K/128];
     group_ends int32 [G]; out bf16 [M, N]. Returns out."""
     fn = "fp8_grouped_gemm"
-    _require_extension(fn)
+    # shapes, dtypes and layout first (testable without a GPU), then alignment, device, extension
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"{fn}: a [M, K] and b [G, N, K] expected, got shapes {list(a.shape)} and {list(b.shape)}")
     M, K = a.shape
     G, N = b.shape[0], b.shape[1]
     dev = a.device
@@ -150,6 +160,7 @@ def fp8_grouped_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int | N
     _check(fn, "b_scales", b_scales, torch.float32, (G, N // SCALE_BLOCK, K // SCALE_BLOCK), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
     _check(fn, "out", out, torch.bfloat16, (M, N), dev)
+    _tma_operands_on_cuda(fn, dict(a=a, b=b, out=out))
     variant = FP8_DEFAULT[0] if variant is None else variant
     swizzle = FP8_DEFAULT[1] if swizzle is None else swizzle
     stream = torch.cuda.current_stream(dev)
@@ -165,9 +176,11 @@ def bf16_grouped_gemm(a, b, group_ends, out, b_layout: str = "nk", variant: int 
     """a bf16 [M, K]; b bf16 [G, N, K] (b_layout "nk") or [G, K, N] ("kn"); group_ends int32 [G];
     out bf16 [M, N]. Returns out."""
     fn = "bf16_grouped_gemm"
-    _require_extension(fn)
     if b_layout not in B_LAYOUTS:
         raise ValueError(f"{fn}: b_layout must be one of {sorted(B_LAYOUTS)}, got {b_layout!r}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"{fn}: a [M, K] and b [G, N, K] or [G, K, N] expected, got shapes {list(a.shape)} and "
+                         f"{list(b.shape)}")
     M, K = a.shape
     G = b.shape[0]
     N = b.shape[1] if b_layout == "nk" else b.shape[2]
@@ -178,6 +191,7 @@ def bf16_grouped_gemm(a, b, group_ends, out, b_layout: str = "nk", variant: int 
     _check(fn, "b", b, torch.bfloat16, (G, N, K) if b_layout == "nk" else (G, K, N), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
     _check(fn, "out", out, torch.bfloat16, (M, N), dev)
+    _tma_operands_on_cuda(fn, dict(a=a, b=b, out=out))
     variant = BF16_DEFAULT[0] if variant is None else variant
     swizzle = BF16_DEFAULT[1] if swizzle is None else swizzle
     layout = B_LAYOUTS[b_layout]

@@ -272,12 +272,16 @@ def _e4m3_blocks(v):
     """quant.py's fp8 rounding of fp32 rows v [R, 128], one 1x128 block per row -> (e4m3 [R, 128],
     fp32 scale [R]): scale = max(amax, 1e-4) / 448, then v / scale clamped to +-448 and cast
     (round to nearest even). Both divisions are correctly rounded like torch's (div_rn, divide_rn):
-    Triton's plain fp32 `/` is an approximate division and would change bits."""
-    amax = tl.max(tl.abs(v), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.zeros_like(amax) + 448.0)
+    Triton's plain fp32 `/` is an approximate division and would change bits.
+    NaN propagates as in torch: Triton's float max / maximum / minimum skip a NaN operand (PTX
+    max.f32), which made a block's NaN element -448 times the other elements' scale, a finite
+    value. So amax is the integer max of |v|'s bits (NaN's exceed inf's, as in the weight
+    preparation) and the clamps propagate NaN: a NaN anywhere gives the block a NaN scale."""
+    amax = tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-4, propagate_nan=tl.PropagateNan.ALL), tl.zeros_like(amax) + 448.0)
     recip = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
     q = divide_rn(v, tl.broadcast_to(scale[:, None], v.shape), tl.broadcast_to(recip[:, None], v.shape))
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0, propagate_nan=tl.PropagateNan.ALL)
     return q.to(tl.float8e4nv), scale
 
 
