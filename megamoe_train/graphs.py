@@ -156,7 +156,9 @@ class GraphedMegaMoE:
                 leaf.main_grad = torch.zeros_like(w.main_grad)
 
         # Warm-up calls on a side stream (as torch.cuda.make_graphed_callables does): the Triton
-        # kernels compile and the CUTLASS workspaces are allocated before capture.
+        # kernels compile before capture. (The CUTLASS workspaces are cached per stream, so the
+        # first capture makes the capture stream's, shared by every captured graph: safe while
+        # replays run one after another, as they do on the training stream.)
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
