@@ -104,6 +104,25 @@ def test_cuda_graph_needs_one_forward_in_flight():
         validate_megamoe(cfg)  # only the graphs need it
 
 
+def test_cuda_graph_refused_for_a_repeated_mtp_layer():
+    """mtp_use_repeated_layer calls the one MTP layer (a MegaMoE layer where the decoder's last layer
+    is MoE) mtp_num_layers times per forward: several forwards in flight, which a graphed layer cannot
+    hold (each backward replay would read the latest forward's activations)."""
+    import torch
+
+    from megatron_patch import cuda_graphs_enabled, megamoe_config
+
+    cfg = make(moe_megamoe_cuda_graph=True)
+    cfg.mtp_num_layers, cfg.mtp_use_repeated_layer = 2, True
+    with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_cuda_graph:.*mtp"):
+        validate_megamoe(cfg)
+    cfg.moe_megamoe_cuda_graph = None  # graphs wherever they can work: not here
+    assert not cuda_graphs_enabled(cfg, megamoe_config(cfg), torch.device("cuda"))
+    cfg.mtp_num_layers = 1  # one call per forward
+    cfg.moe_megamoe_cuda_graph = True
+    validate_megamoe(cfg)
+
+
 def test_fused_wgrad_accumulation_with_graphs():
     assert make(moe_megamoe_fuse_wgrad_accumulation=True).moe_megamoe_fuse_wgrad_accumulation
     cfg = make(moe_megamoe_fuse_wgrad_accumulation=True, moe_megamoe_cuda_graph=True)  # the graph adds into main_grad
