@@ -123,6 +123,9 @@ def validate_megamoe(config) -> None:
     # token dropping / capacity
     if config.moe_expert_capacity_factor is not None:
         bad("moe_expert_capacity_factor", "token dropping is not supported; leave it None")
+    if _get(config, "moe_expert_rank_capacity_factor") is not None and config.moe_token_dispatcher_type == "flex":
+        # the flex dispatchers drop (hybridep) or refuse (ncclep) tokens past this per-rank budget
+        bad("moe_expert_rank_capacity_factor", "per-rank token budgets (dropping past them) are not supported; leave it None")
     if config.moe_pad_expert_input_to_capacity:
         bad("moe_pad_expert_input_to_capacity", "not supported")
     if _get(config, "moe_token_dropping"):

@@ -93,6 +93,17 @@ def test_rejected_by_validate(setting, value):
         validate_megamoe(cfg)
 
 
+def test_rank_capacity_factor_rejected_with_the_flex_dispatcher():
+    """Stock's flex dispatchers drop (hybridep) or refuse (ncclep) tokens past the per-rank budget;
+    the other dispatchers ignore it, as MegaMoE may."""
+    cfg = make(moe_token_dispatcher_type="alltoall")
+    cfg.moe_expert_rank_capacity_factor = 1.5
+    validate_megamoe(cfg)
+    cfg.moe_token_dispatcher_type = "flex"
+    with pytest.raises(MegaMoEConfigError, match="^moe_expert_rank_capacity_factor:"):
+        validate_megamoe(cfg)
+
+
 def test_cuda_graph_needs_one_forward_in_flight():
     assert make(moe_megamoe_cuda_graph=True).moe_megamoe_cuda_graph
     for setting, value in (("recompute_granularity", "selective"), ("pipeline_model_parallel_size", 2)):
