@@ -45,8 +45,9 @@ class MegaMoETransformerConfig(TransformerConfig):
     moe_megamoe_cuda_graph: replay each MoE layer's mega_moe call from a CUDA graph captured at
       its first training call (megamoe_train.graphs): the host issues two graph launches instead
       of ~100 kernels and ops per call. Needs CUDA, the stacked expert parameters (the default
-      MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer and
-      no pipeline parallelism (one forward in flight per layer), and the GPU executor (a call
+      MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer, no
+      pipeline parallelism and no repeated MTP layer (one forward in flight per layer), and the
+      GPU executor (a call
       that resolves to the reference cannot be captured: True then raises at the first call).
       None: on wherever all of that holds (`cuda_graphs_enabled`), off elsewhere.
     moe_megamoe_fuse_wgrad_accumulation: the expert weight gradients go straight into the stacked
@@ -122,6 +123,9 @@ def validate_megamoe(config) -> None:
     # token dropping / capacity
     if config.moe_expert_capacity_factor is not None:
         bad("moe_expert_capacity_factor", "token dropping is not supported; leave it None")
+    if _get(config, "moe_expert_rank_capacity_factor") is not None and config.moe_token_dispatcher_type == "flex":
+        # the flex dispatchers drop (hybridep) or refuse (ncclep) tokens past this per-rank budget
+        bad("moe_expert_rank_capacity_factor", "per-rank token budgets (dropping past them) are not supported; leave it None")
     if config.moe_pad_expert_input_to_capacity:
         bad("moe_pad_expert_input_to_capacity", "not supported")
     if _get(config, "moe_token_dropping"):
@@ -190,13 +194,17 @@ def _graph_conflict(config) -> Optional[str]:
         return "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)"
     if _get(config, "recompute_granularity") is not None:
         return f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})"
+    if _get(config, "mtp_use_repeated_layer") and (_get(config, "mtp_num_layers") or 0) > 1:
+        # the one MTP layer (MoE where the decoder's last layer is) runs mtp_num_layers forwards before any backward
+        return f"cannot be combined with a repeated MTP layer (mtp_use_repeated_layer, mtp_num_layers={config.mtp_num_layers})"
     return None
 
 
 def cuda_graphs_enabled(config, mm_config: MegaMoEConfig, device: torch.device) -> bool:
     """Whether a MegaMoE layer of this config replays its calls of `mm_config` on `device` from
     CUDA graphs: moe_megamoe_cuda_graph as set (on CUDA), or where it is None, wherever that can
-    work: the GPU executor runs the call, no pipeline parallelism, no activation recompute."""
+    work: the GPU executor runs the call, no pipeline parallelism, no activation recompute, no
+    repeated MTP layer."""
     setting = _get(config, "moe_megamoe_cuda_graph")
     if device.type != "cuda":
         return False

@@ -96,6 +96,10 @@ class MegaMoECall:
         if isinstance(self.experts, MegaMoEExperts):
             w1, w2 = self.experts()  # through the module: its pre-hooks (param all-gather) run
         else:
+            # the native modules are not called either: their pre-hooks (DDP's param all-gather wait) run here
+            for module in self.experts.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    _run_forward_pre_hooks(module)
             _, fc1, fc2 = native_expert_weights(self.experts, self.num_local_experts)
             w1, w2 = torch.stack(fc1), torch.stack(fc2)
         shared = {}

@@ -15,7 +15,9 @@ exact ties the lower expert id wins (torch.topk leaves ties unspecified).
 ran to list each token's experts in ascending id order.
 
 Both kernels run on CUDA tensors (and on CPU ones under TRITON_INTERPRET=1, for the tests);
-elsewhere, or for shapes they do not cover, megatron's torch code runs unchanged.
+elsewhere, for shapes they do not cover, or where megatron does not rank fp32 scores (softmax
+without pre-softmax ranks the logits in moe_router_dtype: fp64 logits, and the bf16 / fp16 group
+sums of group-limited routing), megatron's torch code runs unchanged.
 """
 
 from __future__ import annotations
@@ -146,10 +148,19 @@ def routing_map_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor | No
 # ----------------------------------------------------------------------------- megatron's router
 
 
-def _routing_scores(logits: torch.Tensor, score_function: str, use_pre_softmax: bool, expert_bias) -> torch.Tensor | None:
-    """The fp32 scores megatron's top-k ranks the experts by (None: a score function not known here)."""
+def _routing_scores(logits: torch.Tensor, score_function: str, use_pre_softmax: bool, expert_bias,
+                    grouped: bool = False) -> torch.Tensor | None:
+    """The fp32 scores megatron's top-k ranks the experts by (None: a score function not known
+    here, or scores megatron does not rank in fp32)."""
     if score_function == "softmax":
-        return torch.softmax(logits, dim=-1, dtype=torch.float32) if use_pre_softmax else logits.float()
+        if use_pre_softmax:
+            return torch.softmax(logits, dim=-1, dtype=torch.float32)
+        # megatron ranks the logits themselves, in their own dtype: fp64 ones do not survive a cast
+        # to fp32 (distinct logits can become equal), and with group-limited routing it sums each
+        # group's top scores in that dtype (bf16 sums tie where fp32 ones do not)
+        if logits.dtype == torch.float64 or (grouped and logits.dtype != torch.float32):
+            return None
+        return logits.float()
     if score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
     elif score_function == "sqrtsoftplus":
@@ -170,7 +181,8 @@ def fused_topk_routing(original):
         a = bound.arguments
         if not a["fused"] and a["precomputed_indices"] is None and a.get("router_replay") is None:
             with torch.no_grad():
-                scores = _routing_scores(a["logits"], a["score_function"], a["use_pre_softmax"], a["expert_bias"])
+                scores = _routing_scores(a["logits"], a["score_function"], a["use_pre_softmax"], a["expert_bias"],
+                                         grouped=bool(a["group_topk"]))
                 if scores is not None:
                     a["precomputed_indices"] = select_topk(scores, a["topk"], a["num_groups"], a["group_topk"])
         return original(*bound.args, **bound.kwargs)

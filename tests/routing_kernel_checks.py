@@ -81,6 +81,16 @@ def check_router_functions(device):
         assert torch.allclose(p0, p1, rtol=1e-6, atol=0), f"probs differ: {case}"
         assert torch.allclose(g0, g1, rtol=1e-5, atol=1e-7), f"logit gradients differ: {case}"
 
+    # softmax without pre-softmax ranks the logits in their own dtype (moe_router_dtype): fp64 logits that
+    # are equal in fp32, and bf16 logits whose group sums tie in bf16 but not in fp32, as megatron picks them
+    logits = torch.tensor([[1.0, 1.0 + 1e-12, -3.0, -4.0]], dtype=torch.float64, device=device)
+    for fn in (moe_utils.topk_routing_with_score_function, routing):
+        assert fn(logits, 1, score_function="softmax")[1][0].nonzero().flatten().tolist() == [1], "fp64 logits"
+    logits = (torch.randn(512, 64, generator=gen, device=device) * 2).to(torch.bfloat16)
+    m0 = moe_utils.topk_routing_with_score_function(logits, 4, num_groups=8, group_topk=2, score_function="softmax")[1]
+    m1 = routing(logits, 4, num_groups=8, group_topk=2, score_function="softmax")[1]
+    assert torch.equal(m0, m1), f"bf16 group-limited routing maps differ in {(m0 != m1).any(1).sum().item()} rows"
+
     aux = fused_aux_loss_scores(moe_utils.compute_routing_scores_for_aux_loss)
     for score_function in ("sigmoid", "softmax"):
         logits = torch.randn(T, E, generator=gen, device=device)

@@ -455,7 +455,17 @@ def megakernel_backend(rank, world):
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_stock, _ = stock(x1)
         probs, routing_map = stock.route(x2)
+        # the backend reads the native modules' weights without calling them: their forward pre-hooks
+        # (where Megatron DDP waits for the distributed optimizer's param all-gather) run once per call
+        owners = [m for m in (*stock.experts.modules(), *stock.shared_experts.modules())
+                  if next(m.parameters(recurse=False), None) is not None]
+        fired = []
+        hooks = [m.register_forward_pre_hook(lambda mod, args: fired.append(mod)) for m in owners]
         y_be = be(x2, probs, routing_map)
+        for h in hooks:
+            h.remove()
+        assert len(owners) == 2 * (stock.num_local_experts + 1) and sorted(map(id, fired)) == sorted(map(id, owners)), \
+            (len(owners), len(fired))
         assert rel_err(y_be.detach(), y_stock.detach()) < 1e-5
         y_stock.sum().backward()
         y_be.sum().backward()

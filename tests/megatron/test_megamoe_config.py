@@ -93,6 +93,17 @@ def test_rejected_by_validate(setting, value):
         validate_megamoe(cfg)
 
 
+def test_rank_capacity_factor_rejected_with_the_flex_dispatcher():
+    """Stock's flex dispatchers drop (hybridep) or refuse (ncclep) tokens past the per-rank budget;
+    the other dispatchers ignore it, as MegaMoE may."""
+    cfg = make(moe_token_dispatcher_type="alltoall")
+    cfg.moe_expert_rank_capacity_factor = 1.5
+    validate_megamoe(cfg)
+    cfg.moe_token_dispatcher_type = "flex"
+    with pytest.raises(MegaMoEConfigError, match="^moe_expert_rank_capacity_factor:"):
+        validate_megamoe(cfg)
+
+
 def test_cuda_graph_needs_one_forward_in_flight():
     assert make(moe_megamoe_cuda_graph=True).moe_megamoe_cuda_graph
     for setting, value in (("recompute_granularity", "selective"), ("pipeline_model_parallel_size", 2)):
@@ -102,6 +113,25 @@ def test_cuda_graph_needs_one_forward_in_flight():
             validate_megamoe(cfg)
         cfg.moe_megamoe_cuda_graph = False
         validate_megamoe(cfg)  # only the graphs need it
+
+
+def test_cuda_graph_refused_for_a_repeated_mtp_layer():
+    """mtp_use_repeated_layer calls the one MTP layer (a MegaMoE layer where the decoder's last layer
+    is MoE) mtp_num_layers times per forward: several forwards in flight, which a graphed layer cannot
+    hold (each backward replay would read the latest forward's activations)."""
+    import torch
+
+    from megatron_patch import cuda_graphs_enabled, megamoe_config
+
+    cfg = make(moe_megamoe_cuda_graph=True)
+    cfg.mtp_num_layers, cfg.mtp_use_repeated_layer = 2, True
+    with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_cuda_graph:.*mtp"):
+        validate_megamoe(cfg)
+    cfg.moe_megamoe_cuda_graph = None  # graphs wherever they can work: not here
+    assert not cuda_graphs_enabled(cfg, megamoe_config(cfg), torch.device("cuda"))
+    cfg.mtp_num_layers = 1  # one call per forward
+    cfg.moe_megamoe_cuda_graph = True
+    validate_megamoe(cfg)
 
 
 def test_fused_wgrad_accumulation_with_graphs():
