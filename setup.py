@@ -26,14 +26,23 @@ NVCC_FLAGS = [
 ]
 
 
+def _cuda_lib_dir(home):
+    """The toolkit's folder holding the static CUDA runtime, or None."""
+    return next((os.path.join(home, d) for d in ("lib64", "lib") if os.path.exists(os.path.join(home, d, "libcudart_static.a"))), None)
+
+
 def _find_cuda_home():
+    """CUDA_HOME / CUDA_PATH if set; else the toolkit of the nvcc on PATH, found through its real path
+    (a wrapper script, e.g. /usr/local/bin/nvcc exec'ing the toolkit's, resolves to /usr/local, which
+    has no static runtime: then /usr/local/cuda)."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if not home:
+    if home:
+        candidates = [home]
+    else:
         nvcc = shutil.which("nvcc")
-        home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return home
-    return None
+        candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"] if nvcc else []
+    found = [h for h in candidates if os.path.exists(os.path.join(h, "bin", "nvcc"))]
+    return next((h for h in found if _cuda_lib_dir(h)), found[0] if found else None)
 
 
 def _find_cutlass_include():
@@ -56,9 +65,12 @@ def _cuda_extension():
             sys.exit(f"MEGAMOE_BUILD_CUDA=1 but not found: {', '.join(missing)}")
         print(f"megamoe_train._cuda skipped (not found: {', '.join(missing)})", file=sys.stderr)
         return None
-    lib_dir = next((os.path.join(cuda_home, d) for d in ("lib64", "lib") if os.path.exists(os.path.join(cuda_home, d, "libcudart_static.a"))), None)
-    if lib_dir is None:
-        sys.exit(f"libcudart_static.a not found under {cuda_home}")
+    lib_dir = _cuda_lib_dir(cuda_home)
+    if lib_dir is None:  # e.g. a pip/conda nvcc without the static runtime: like a missing toolchain
+        if mode == "1":
+            sys.exit(f"MEGAMOE_BUILD_CUDA=1 but libcudart_static.a not found under {cuda_home}")
+        print(f"megamoe_train._cuda skipped (libcudart_static.a not found under {cuda_home})", file=sys.stderr)
+        return None
     ext = Pybind11Extension(
         "megamoe_train._cuda",
         sources=["csrc/cuda/bindings.cpp"],

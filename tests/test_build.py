@@ -54,3 +54,40 @@ def test_required_cuda_build_fails_loudly(stub_toolchain):
     result = _build(stub_toolchain, "1")
     assert result.returncode != 0
     assert "megamoe_train._cuda: nvcc failed" in result.stdout + result.stderr
+
+
+def _build_with(stub_toolchain, mode, cuda_home):
+    _, site, tree = stub_toolchain
+    shutil.rmtree(tree / "build", ignore_errors=True)
+    for so in (tree / "megamoe_train").glob("*.so"):
+        so.unlink()
+    env = dict(os.environ, CUDA_HOME=str(cuda_home), MEGAMOE_BUILD_CUDA=mode,
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def toolkit_without_static_runtime(tmp_path_factory):
+    """An nvcc without libcudart_static.a beside it (a pip or conda nvcc package)."""
+    cuda = tmp_path_factory.mktemp("nvcc_only") / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    nvcc = cuda / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\nexit 1\n")
+    nvcc.chmod(0o755)
+    return cuda
+
+
+def test_missing_static_runtime_skips_the_cuda_extension(stub_toolchain, toolkit_without_static_runtime):
+    # used to sys.exit in the default mode, so not even the host extension was built
+    result = _build_with(stub_toolchain, "auto", toolkit_without_static_runtime)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "megamoe_train._cuda skipped (libcudart_static.a not found" in result.stderr
+    built = sorted(p.name for p in (stub_toolchain[2] / "megamoe_train").glob("*.so"))
+    assert len(built) == 1 and built[0].startswith("_C."), built
+
+
+def test_missing_static_runtime_is_an_error_when_required(stub_toolchain, toolkit_without_static_runtime):
+    result = _build_with(stub_toolchain, "1", toolkit_without_static_runtime)
+    assert result.returncode != 0
+    assert "MEGAMOE_BUILD_CUDA=1 but libcudart_static.a not found" in result.stdout + result.stderr
