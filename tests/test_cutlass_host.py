@@ -166,6 +166,18 @@ def test_bf16_grouped_gemm_rejects_bad_operands_before_touching_a_device(args, m
         cutlass_gemm.bf16_grouped_gemm(*args)
 
 
+def test_row_grouped_gemms_reject_k_zero():
+    # K = 0: the CUTLASS main loop would run no K step and store uncleared accumulators
+    ends = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="bf16_grouped_gemm: K must be positive"):
+        cutlass_gemm.bf16_grouped_gemm(torch.zeros(16, 0, dtype=torch.bfloat16), torch.zeros(2, 64, 0, dtype=torch.bfloat16),
+                                       ends, torch.zeros(16, 64, dtype=torch.bfloat16))
+    E4M3 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="fp8_grouped_gemm: K must be positive"):
+        cutlass_gemm.fp8_grouped_gemm(torch.zeros(16, 0, dtype=E4M3), torch.zeros(16, 0), torch.zeros(2, 128, 0, dtype=E4M3),
+                                      torch.zeros(2, 1, 0), ends, torch.zeros(16, 128, dtype=torch.bfloat16))
+
+
 needs_extension = pytest.mark.skipif(cutlass_gemm._cuda is None, reason="megamoe_train._cuda not built")
 
 

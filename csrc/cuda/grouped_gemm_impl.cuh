@@ -412,6 +412,9 @@ const char* GroupedGemm<ElementAB, LayoutB, TileShape, ClusterShape, Schedule, E
     const GroupedGemmArgs& p) {
   using Self = GroupedGemm;
   if (p.num_groups <= 0) return "num_groups must be positive";
+  // row-grouped: every group's K is k, and the main loop cannot run zero K steps (depth-grouped
+  // groups with no rows get no tiles instead)
+  if (!kDepthGrouped && p.k <= 0) return "K must be positive";
   if (kBlockScaled && (p.n % kScaleBlock || p.k % kScaleBlock)) return "N and K must be multiples of 128";
   if (p.n % kAlignAB || p.k % kAlignAB) return "N and K must be multiples of 16 bytes";
   if (kDepthGrouped && kBlockScaled && (p.m <= 0 || p.m % kScaleBlock)) return "M must be a positive multiple of 128";

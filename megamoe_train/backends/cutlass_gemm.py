@@ -154,6 +154,8 @@ def fp8_grouped_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int | N
     dev = a.device
     if K % SCALE_BLOCK or N % SCALE_BLOCK:
         raise ValueError(f"{fn}: N={N} and K={K} must be multiples of {SCALE_BLOCK}")
+    if K == 0:  # the main loop cannot run zero K steps (its accumulators would never be cleared)
+        raise ValueError(f"{fn}: K must be positive")
     _check(fn, "a", a, torch.float8_e4m3fn, (M, K), dev)
     _check(fn, "a_scales", a_scales, torch.float32, (M, K // SCALE_BLOCK), dev)
     _check(fn, "b", b, torch.float8_e4m3fn, (G, N, K), dev)
@@ -187,6 +189,8 @@ def bf16_grouped_gemm(a, b, group_ends, out, b_layout: str = "nk", variant: int 
     dev = a.device
     if K % 8 or N % 8:
         raise ValueError(f"{fn}: N={N} and K={K} must be multiples of 8 (16-byte rows)")
+    if K == 0:  # the main loop cannot run zero K steps (its accumulators would never be cleared)
+        raise ValueError(f"{fn}: K must be positive")
     _check(fn, "a", a, torch.bfloat16, (M, K), dev)
     _check(fn, "b", b, torch.bfloat16, (G, N, K) if b_layout == "nk" else (G, K, N), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
