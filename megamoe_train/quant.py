@@ -11,7 +11,8 @@ token dim, stored transposed) use the activation rules:
   * e4m3 + fp32 scales: scale = max(amax, 1e-4) / 448 per block, data float8_e4m3fn.
   * e4m3 / e2m1 + ue8m0 scales: scale = 2**ceil(log2(amax / max_value)), a power of two
     stored as its biased exponent (uint8, exponent + 127). Rounding the exponent up means
-    no element of a block ever exceeds the format's largest value.
+    no element of a block ever exceeds the format's largest value. A block holding a NaN or
+    Inf gets the NaN scale (255) and decodes to all NaN.
   * e2m1 (FP4) codes are sign << 3 | magnitude index, two per byte, the even element in
     the low nibble.
 
@@ -100,7 +101,10 @@ def _block_scales(amax: torch.Tensor, fmt: str, scale_format: str) -> tuple[torc
         return scale, scale
     if scale_format == "ue8m0":
         exponent = _pow2_exponent_above(amax.clamp_min(_UE8M0_MIN_AMAX), max_value)
-        stored = _biased(exponent)
+        # A NaN or Inf in the block: the NaN scale (255), so the whole block decodes to NaN as
+        # with fp32 scales (frexp gives exponent 0 for them, which would saturate the block's
+        # other elements and turn the non-finite one into a finite value).
+        stored = torch.where(amax.isfinite(), _biased(exponent), torch.full_like(amax, 255, dtype=torch.uint8))
         return ue8m0_to_float(stored), stored
     raise ValueError(f"scale_format: unsupported {scale_format!r} for a quantized format")
 
