@@ -64,14 +64,15 @@ def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """Encode positive scales as biased exponents (uint8), rounding up to a power of two.
 
     Rounding up (never down) keeps the guarantee that data / scale stays in range.
-    Exponents outside [-127, 127] are clamped.
+    Exponents outside [-127, 127] are clamped; NaN and Inf give 255 (NaN).
     """
     if not scale.is_floating_point():
         raise ValueError(f"float_to_ue8m0: expected a floating tensor, got {scale.dtype}")
     mantissa, exponent = torch.frexp(scale.float())
     # scale = m * 2**e with m in [0.5, 1): an exact power of two has m == 0.5.
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    return _biased(exponent)
+    # NaN / Inf: the NaN code (frexp's exponent 0 for them would read as a scale of 1)
+    return torch.where(scale.isfinite(), _biased(exponent), torch.full_like(exponent, 255, dtype=torch.uint8))
 
 
 def _biased(exponent: torch.Tensor) -> torch.Tensor:

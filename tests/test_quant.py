@@ -247,6 +247,11 @@ def test_zero_blocks_give_zeros(recipe):
     assert not torch.isnan(v).any() and (v[:128, :128] == 0).all()
 
 
+def test_float_to_ue8m0_non_finite_is_nan_code():
+    codes = float_to_ue8m0(torch.tensor([float("nan"), float("inf"), 1.0]))
+    assert codes.tolist() == [255, 255, 127]  # NaN / Inf read as 1.0 (127) before
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("recipe", [FP8, MX], ids=lambda r: r.name)
 def test_non_finite_blocks_become_nan_not_finite_values(recipe, bad):
