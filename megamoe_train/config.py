@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -56,14 +57,16 @@ class MegaMoEConfig:
         recipe = get_recipe(self.recipe)
         if self.dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"dtype: must be one of {_COMPUTE_DTYPES}, got {self.dtype}")
-        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+        if (not isinstance(self.num_shared_experts, int) or isinstance(self.num_shared_experts, bool)
+                or self.num_shared_experts < 0):
             raise ValueError(f"num_shared_experts: must be an int >= 0, got {self.num_shared_experts!r}")
         if self.shared_intermediate is not None:
             if self.num_shared_experts == 0:
                 raise ValueError("shared_intermediate: set but num_shared_experts is 0")
             if not isinstance(self.shared_intermediate, int) or self.shared_intermediate <= 0:
                 raise ValueError(f"shared_intermediate: must be a positive int, got {self.shared_intermediate!r}")
-        if self.activation_clamp is not None and not (float(self.activation_clamp) > 0):
+        clamp = self.activation_clamp  # a number: a string would pass float() and fail in torch.clamp
+        if clamp is not None and (not isinstance(clamp, numbers.Real) or isinstance(clamp, bool) or not clamp > 0):
             raise ValueError(f"activation_clamp: must be > 0, got {self.activation_clamp!r}")
         # Block-scaled recipes need whole scale blocks along every reduction dim.
         if recipe.quantized:

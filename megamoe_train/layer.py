@@ -13,6 +13,8 @@ from .graphs import GraphedMegaMoE
 from .config import MegaMoEConfig
 from .symm_buffer import SymmBuffer, get_symm_buffer, register_layer
 
+_PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # validation.py's weight dtypes
+
 
 class MegaMoELayer(nn.Module):
     """Routed experts [rank*E_local, (rank+1)*E_local) of the expert-parallel `process_group`
@@ -41,6 +43,9 @@ class MegaMoELayer(nn.Module):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("MegaMoELayer: torch.distributed must be initialized first")
+        if params_dtype is not None and params_dtype not in _PARAMS_DTYPES:
+            # mega_moe takes only these for the weights: say so here, not at the first forward
+            raise ValueError(f"params_dtype: must be one of {_PARAMS_DTYPES}, got {params_dtype}")
         self.config = config
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.backend = backend

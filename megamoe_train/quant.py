@@ -11,7 +11,8 @@ token dim, stored transposed) use the activation rules:
   * e4m3 + fp32 scales: scale = max(amax, 1e-4) / 448 per block, data float8_e4m3fn.
   * e4m3 / e2m1 + ue8m0 scales: scale = 2**ceil(log2(amax / max_value)), a power of two
     stored as its biased exponent (uint8, exponent + 127). Rounding the exponent up means
-    no element of a block ever exceeds the format's largest value.
+    no element of a block ever exceeds the format's largest value. A block holding a NaN or
+    Inf gets the NaN scale (255) and decodes to all NaN.
   * e2m1 (FP4) codes are sign << 3 | magnitude index, two per byte, the even element in
     the low nibble.
 
@@ -63,14 +64,15 @@ def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """Encode positive scales as biased exponents (uint8), rounding up to a power of two.
 
     Rounding up (never down) keeps the guarantee that data / scale stays in range.
-    Exponents outside [-127, 127] are clamped.
+    Exponents outside [-127, 127] are clamped; NaN and Inf give 255 (NaN).
     """
     if not scale.is_floating_point():
         raise ValueError(f"float_to_ue8m0: expected a floating tensor, got {scale.dtype}")
     mantissa, exponent = torch.frexp(scale.float())
     # scale = m * 2**e with m in [0.5, 1): an exact power of two has m == 0.5.
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    return _biased(exponent)
+    # NaN / Inf: the NaN code (frexp's exponent 0 for them would read as a scale of 1)
+    return torch.where(scale.isfinite(), _biased(exponent), torch.full_like(exponent, 255, dtype=torch.uint8))
 
 
 def _biased(exponent: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,10 @@ def _block_scales(amax: torch.Tensor, fmt: str, scale_format: str) -> tuple[torc
         return scale, scale
     if scale_format == "ue8m0":
         exponent = _pow2_exponent_above(amax.clamp_min(_UE8M0_MIN_AMAX), max_value)
-        stored = _biased(exponent)
+        # A NaN or Inf in the block: the NaN scale (255), so the whole block decodes to NaN as
+        # with fp32 scales (frexp gives exponent 0 for them, which would saturate the block's
+        # other elements and turn the non-finite one into a finite value).
+        stored = torch.where(amax.isfinite(), _biased(exponent), torch.full_like(amax, 255, dtype=torch.uint8))
         return ue8m0_to_float(stored), stored
     raise ValueError(f"scale_format: unsupported {scale_format!r} for a quantized format")
 

@@ -30,6 +30,10 @@ def test_valid_configs(recipe):
         (dict(shared_intermediate=64), "shared_intermediate"),
         (dict(num_shared_experts=-1), "num_shared_experts"),
         (dict(activation_clamp=0.0), "activation_clamp"),
+        (dict(activation_clamp="1.5"), "activation_clamp"),  # float() takes it; clamp() did not
+        (dict(activation_clamp="x"), "activation_clamp"),
+        (dict(activation_clamp=float("nan")), "activation_clamp"),
+        (dict(num_shared_experts=True), "num_shared_experts"),
     ],
 )
 def test_invalid_configs_name_the_field(change, field):

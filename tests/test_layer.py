@@ -68,6 +68,18 @@ def test_layer_rejects_buffer_of_other_group(rank_pools):
     rank_pools(2).run(layer_rejects_buffer_of_other_group)
 
 
+def layer_rejects_params_dtype_forward_cannot_take(rank, world):
+    cfg = MegaMoEConfig(num_experts=4, hidden=16, intermediate=8, topk=1, num_max_tokens_per_rank=4, block_m=4,
+                        dtype=torch.float32)
+    with pytest.raises(ValueError, match="^params_dtype"):  # accepted before; the first forward then failed
+        MegaMoELayer(cfg, params_dtype=torch.float64)
+    assert MegaMoELayer(cfg, params_dtype=torch.bfloat16).w1.dtype == torch.bfloat16
+
+
+def test_layer_rejects_params_dtype_forward_cannot_take(rank_pools):
+    rank_pools(2).run(layer_rejects_params_dtype_forward_cannot_take)
+
+
 def test_demo_runs_and_learns(capfd):
     from megamoe_train import demo
 

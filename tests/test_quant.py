@@ -247,6 +247,30 @@ def test_zero_blocks_give_zeros(recipe):
     assert not torch.isnan(v).any() and (v[:128, :128] == 0).all()
 
 
+def test_float_to_ue8m0_non_finite_is_nan_code():
+    codes = float_to_ue8m0(torch.tensor([float("nan"), float("inf"), 1.0]))
+    assert codes.tolist() == [255, 255, 127]  # NaN / Inf read as 1.0 (127) before
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("recipe", [FP8, MX], ids=lambda r: r.name)
+def test_non_finite_blocks_become_nan_not_finite_values(recipe, bad):
+    """A NaN or Inf element makes its whole block NaN (OCP MX: the block's scale is NaN), as the
+    fp32 scales do; it must never come back as finite values (NaN weights or activations would
+    then be hidden from the loss). The other blocks are untouched."""
+    x = randn(2, 256, seed=13)
+    x[0, 5] = bad
+    y = fake_quantize_act(x, recipe)
+    assert torch.isnan(y[0, :recipe.act_block]).all()
+    assert torch.equal(y[:, 128:], fake_quantize_act(x[:, 128:], recipe)) and not torch.isnan(y[1]).any()
+    w = randn(256, 256, seed=14)
+    w[3, 7] = bad
+    rows, cols = recipe.weight_block
+    v = dequantize_weight(*quantize_weight(w, recipe), recipe)
+    assert torch.isnan(v[3 // rows * rows:3 // rows * rows + rows, :cols]).all()
+    assert torch.isnan(v).sum() == rows * cols
+
+
 def test_native_recipe_passes_through():
     x = randn(2, 40, seed=13, spread=False).bfloat16()
     data, scales = quantize_act(x, BF16)
