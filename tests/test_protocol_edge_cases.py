@@ -5,27 +5,19 @@ prepared weights of another width or dtype."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
 from dense_moe import dense_moe
 from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, transform_weights
-from test_mega_moe_dist import BASE, make_problem, rel_err
-
-
-def _inputs(rank, world, seed=5, tokens=12):
-    cfg = MegaMoEConfig(**BASE)
-    prob = make_problem(cfg, world, [tokens] * world, seed=seed)
-    E_l = cfg.num_experts // world
-    mine = slice(rank * E_l, (rank + 1) * E_l)
-    return cfg, prob, prob["w1"][mine], prob["w2"][mine]
+from test_mega_moe_dist import BASE, rel_err
+from test_reliability import _rank_inputs, fail_rank_1_in
 
 
 def calls_past_int32_phase(rank, world):
     """The status word is int32; the phase 2 * call passes 2^31 at call 2^30."""
-    cfg, prob, w1, w2 = _inputs(rank, world)
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
     buf = get_symm_buffer(None, cfg, timeout_s=10)
     buf.session.call_count = 2**30 - 1  # as after ~1e9 calls of one long-lived buffer
     x = prob["x"][rank].clone().requires_grad_()
@@ -46,27 +38,7 @@ def weight_transform_fails_on_one_rank(rank, world):
     peers must stop at once, told by its failure mark, not after the timeout."""
     from megamoe_train import autograd
 
-    cfg, prob, w1, w2 = _inputs(rank, world)
-    buf = get_symm_buffer(None, cfg, timeout_s=10)
-    original = autograd.transform_weights
-
-    def broken(*args, **kwargs):
-        raise MemoryError("injected: out of memory in the weight transform")
-
-    if rank == 1:
-        autograd.transform_weights = broken
-    start = time.monotonic()
-    try:
-        with pytest.raises((MemoryError, RuntimeError)) as err:
-            mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
-    finally:
-        autograd.transform_weights = original
-    elapsed = time.monotonic() - start
-    if rank == 0:
-        assert "rank 1 failed" in str(err.value), str(err.value)
-        assert elapsed < 5, elapsed
-    with pytest.raises(RuntimeError, match="unusable"):
-        mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    fail_rank_1_in(rank, world, autograd, "transform_weights")
 
 
 def test_weight_transform_failure_fails_peers_at_once(rank_pools):
@@ -77,7 +49,7 @@ def prepared_weights_of_another_shape(rank, world, what):
     """prepared_weights whose experts have another width than the buffer's config must be bad
     input (MegaMoEInputError on every rank, buffer usable), not run (the reference computes an
     MLP of the other width; the GPU kernels would read past the weights)."""
-    cfg, prob, w1, w2 = _inputs(rank, world)
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
     buf = get_symm_buffer(None, cfg, timeout_s=10)
     x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
     prepared = None
@@ -128,7 +100,7 @@ def publish_fails_on_one_rank(rank, world):
     """A rank failing before its exchange (in the publish) is named with the call it was in."""
     from megamoe_train.backends.reference import ReferenceExecutor
 
-    cfg, prob, w1, w2 = _inputs(rank, world)
+    cfg, prob, w1, w2 = _rank_inputs(rank, world)
     buf = get_symm_buffer(None, cfg, timeout_s=10)
     mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)  # a good call first
     n = buf.session.call_count + 1

@@ -176,31 +176,38 @@ def test_absent_rank_at_call_times_out_on_every_rank(absent):
     assert elapsed[1 - absent] < SHORT_TIMEOUT_S + 2
 
 
-def rank_fails_between_barriers(rank, world):
-    from megamoe_train.backends.reference import ReferenceExecutor
-
+def fail_rank_1_in(rank, world, owner, name: str):
+    """Rank 1's `owner.name` raises MemoryError during one mega_moe call: rank 0 must be told by
+    rank 1's failure mark (within 5 s, not the timeout), and the buffer then refuses further calls
+    on every rank instead of pairing barriers out of phase. Returns (cfg, prob, w1, w2)."""
     cfg, prob, w1, w2 = _rank_inputs(rank, world)
     buf = get_symm_buffer(None, cfg, timeout_s=10)
-    original = ReferenceExecutor.experts_forward
+    original = getattr(owner, name)
 
-    def broken(self, *args):
-        raise MemoryError("injected host failure after the first barrier")
+    def broken(*args, **kwargs):
+        raise MemoryError(f"injected failure in {name}")
 
     if rank == 1:
-        ReferenceExecutor.experts_forward = broken
+        setattr(owner, name, broken)
     start = time.monotonic()
     try:
         with pytest.raises((MemoryError, RuntimeError)) as err:
             mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
     finally:
-        ReferenceExecutor.experts_forward = original
+        setattr(owner, name, original)
     elapsed = time.monotonic() - start
     if rank == 0:
         assert "rank 1 failed" in str(err.value), str(err.value)
         assert elapsed < 5, elapsed  # told by the failing rank, not by the timeout
-    # the buffer refuses further calls on every rank instead of pairing barriers out of phase
     with pytest.raises(RuntimeError, match="unusable"):
         mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
+    return cfg, prob, w1, w2
+
+
+def rank_fails_between_barriers(rank, world):
+    from megamoe_train.backends.reference import ReferenceExecutor
+
+    cfg, prob, w1, w2 = fail_rank_1_in(rank, world, ReferenceExecutor, "experts_forward")
     # a fresh buffer works again
     buf = get_symm_buffer(None, cfg, timeout_s=10)
     y = mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)
