@@ -71,12 +71,14 @@ def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     mantissa, exponent = torch.frexp(scale.float())
     # scale = m * 2**e with m in [0.5, 1): an exact power of two has m == 0.5.
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    # NaN / Inf: the NaN code (frexp's exponent 0 for them would read as a scale of 1)
-    return torch.where(scale.isfinite(), _biased(exponent), torch.full_like(exponent, 255, dtype=torch.uint8))
+    return _biased(exponent, finite=scale.isfinite())
 
 
-def _biased(exponent: torch.Tensor) -> torch.Tensor:
-    return (exponent.clamp(-_UE8M0_BIAS, _UE8M0_BIAS) + _UE8M0_BIAS).to(torch.uint8)
+def _biased(exponent: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """The stored ue8m0 code of each exponent; 255 (NaN) where the value it came from is NaN or
+    Inf (frexp gives them exponent 0, which would read as a scale of 1)."""
+    code = (exponent.clamp(-_UE8M0_BIAS, _UE8M0_BIAS) + _UE8M0_BIAS).to(torch.uint8)
+    return torch.where(finite, code, torch.full_like(code, 255))
 
 
 def _pow2_exponent_above(amax: torch.Tensor, max_value: float) -> torch.Tensor:
@@ -102,10 +104,10 @@ def _block_scales(amax: torch.Tensor, fmt: str, scale_format: str) -> tuple[torc
         return scale, scale
     if scale_format == "ue8m0":
         exponent = _pow2_exponent_above(amax.clamp_min(_UE8M0_MIN_AMAX), max_value)
-        # A NaN or Inf in the block: the NaN scale (255), so the whole block decodes to NaN as
-        # with fp32 scales (frexp gives exponent 0 for them, which would saturate the block's
-        # other elements and turn the non-finite one into a finite value).
-        stored = torch.where(amax.isfinite(), _biased(exponent), torch.full_like(amax, 255, dtype=torch.uint8))
+        # A NaN or Inf in the block: the NaN scale, so the whole block decodes to NaN as with fp32
+        # scales (an ordinary scale would saturate the block's other elements and turn the
+        # non-finite one into a finite value).
+        stored = _biased(exponent, finite=amax.isfinite())
         return ue8m0_to_float(stored), stored
     raise ValueError(f"scale_format: unsupported {scale_format!r} for a quantized format")
 
