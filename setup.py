@@ -17,8 +17,9 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu", "csrc/cuda/fp8_wgrad_grouped_gemm.cu", "csrc/cuda/bf16_grouped_gemm.cu",
-                "csrc/cuda/bf16_wgrad_grouped_gemm.cu"]
-CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h", "csrc/cuda/grouped_gemm_impl.cuh"]
+                "csrc/cuda/bf16_wgrad_grouped_gemm.cu", "csrc/cuda/expert_gemm.cu"]
+CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h", "csrc/cuda/grouped_gemm_impl.cuh", "csrc/cuda/expert_gemm.h",
+                "csrc/cuda/expert_gemm_sm90.cuh"]
 # wgmma and setmaxnreg exist only on the arch-specific Hopper target.
 NVCC_FLAGS = [
     "-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",

@@ -71,6 +71,11 @@ def takes(*tensors: torch.Tensor) -> bool:
     return available(tensors[0].device) and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def has_expert_gemm(device: torch.device) -> bool:
+    """available(), and the extension has our fused expert GEMMs (an older build may not)."""
+    return available(device) and hasattr(_cuda, "expert_gemm_swiglu")
+
+
 @functools.cache
 def _is_sm90(index: int) -> bool:  # asked before every GEMM: read the device once
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -311,3 +316,61 @@ def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
         swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
     )
     return out
+
+
+# ----------------------------------------------------------------------------- our fp8 expert GEMMs
+# (csrc/cuda/expert_gemm.h): one persistent launch over the pool with two TMA descriptors for the
+# whole call; the L1 one with clamp + SwiGLU + topk weight + e4m3 requantization in its epilogue.
+
+
+def _fp8_expert_operands(fn: str, a, a_scales, b, b_scales, group_ends, out, n_out: int):
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"{fn}: a [P, K] and b [G, N, K] expected, got shapes {list(a.shape)} and {list(b.shape)}")
+    P, K = a.shape
+    G, N = b.shape[0], b.shape[1]
+    dev = a.device
+    if K % SCALE_BLOCK or N % SCALE_BLOCK or K == 0:
+        raise ValueError(f"{fn}: N={N} and K={K} must be multiples of {SCALE_BLOCK} (K > 0)")
+    if not 0 < G <= 1024:
+        raise ValueError(f"{fn}: 1 to 1024 groups, got {G}")
+    _check(fn, "a", a, torch.float8_e4m3fn, (P, K), dev)
+    _check(fn, "a_scales", a_scales, torch.float32, (P, K // SCALE_BLOCK), dev)
+    _check(fn, "b", b, torch.float8_e4m3fn, (G, N, K), dev)
+    _check(fn, "b_scales", b_scales, torch.float32, (G, N // SCALE_BLOCK, K // SCALE_BLOCK), dev)
+    _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
+    _check(fn, "out", out, torch.bfloat16, (P, n_out), dev)
+    _tma_operands_on_cuda(fn, dict(a=a, b=b))
+    return P, K, G, N, dev
+
+
+def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out):
+    """out[rows of g] = (a * a_scales)[rows] @ (b[g] * b_scales[g])^T, as fp8_grouped_gemm, on our
+    persistent kernel. a e4m3 [P, K] + fp32 [P, K/128]; b e4m3 [G, N, K] + fp32 [G, N/128, K/128];
+    out bf16 [P, N]. Returns out."""
+    fn = "fp8_expert_gemm"
+    P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0)
+    _cuda.expert_gemm(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), group_ends.data_ptr(),
+                      out.data_ptr(), G, P, N, K, torch.cuda.current_stream(dev).cuda_stream, dev.index)
+    return out
+
+
+def fp8_expert_gemm_swiglu(a, a_scales, b, b_scales, group_ends, row_weights, chunk: int, clamp, pre_act, act,
+                           act_scales):
+    """The L1 GEMM with SwiGLU fused: pre_act = the product (bf16 [P, 2I], gate/up interleaved in
+    chunks of `chunk` as b's rows are), act = e4m3(silu(min(g, c)) * clamp(u, -c, c) * row_weights)
+    [P, I] with act_scales fp32 [P, I/128] (one per 1x128 block), for every row of every group.
+    Returns (pre_act, act, act_scales)."""
+    fn = "fp8_expert_gemm_swiglu"
+    N2 = b.shape[1] if b.dim() == 3 else 0
+    P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, pre_act, N2)
+    I = N // 2
+    if N % 256 or not isinstance(chunk, int) or chunk <= 0 or chunk % SCALE_BLOCK or I % chunk:
+        raise ValueError(f"{fn}: N={N} must be a multiple of 256 and chunk={chunk} a multiple of 128 dividing N/2")
+    _check(fn, "row_weights", row_weights, torch.float32, (P,), dev)
+    _check(fn, "act", act, torch.float8_e4m3fn, (P, I), dev)
+    _check(fn, "act_scales", act_scales, torch.float32, (P, I // SCALE_BLOCK), dev)
+    _cuda.expert_gemm_swiglu(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), group_ends.data_ptr(),
+                             pre_act.data_ptr(), row_weights.data_ptr(), act.data_ptr(), act_scales.data_ptr(), G, P, N,
+                             K, chunk, float(clamp or 0.0), clamp is not None,
+                             torch.cuda.current_stream(dev).cuda_stream, dev.index)
+    return pre_act, act, act_scales

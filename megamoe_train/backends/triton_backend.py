@@ -56,6 +56,10 @@ _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where 
 # cutlass_gemm.bf16_wgrad_grouped_gemm); torch by default: ours was within noise of it in the
 # layer (NOTES.md).
 _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
+# The fp8 forward's expert GEMMs: "fused" (our persistent kernels, csrc/cuda/expert_gemm.h: L1 with
+# SwiGLU and the requantization in its epilogue, then L2) or "split" (the CUTLASS grouped GEMMs
+# around the Triton SwiGLU kernel); docs/kernels.md has the measurements behind the default.
+_FP8_FORWARD = os.environ.get("MEGAMOE_FP8_FORWARD", "split")
 
 
 def supports_config(cfg, device: torch.device) -> bool:
@@ -114,6 +118,15 @@ def _cutlass_fp8(device: torch.device) -> bool:
     """The one place that picks the fp8 GEMM: CUTLASS where built; MEGAMOE_FP8_GEMM=triton forces
     the Triton kernel (whose tiles need block_m-aligned experts: row_align)."""
     return _FP8_GEMM != "triton" and cutlass_gemm.available(device)
+
+
+def _fused_fp8_forward(cfg, weights: ExpertWeights, device: torch.device) -> bool:
+    """Whether the fp8 forward runs on our fused expert kernels (1x128 activation blocks and
+    128x128 weight blocks, whole 128-row gate/up chunks: what their epilogue quantizes)."""
+    recipe = cfg.precision
+    return (_FP8_FORWARD == "fused" and cutlass_gemm.has_expert_gemm(device) and recipe.act_block == 128
+            and tuple(recipe.weight_block) == (128, 128) and weights.chunk % 128 == 0
+            and weights.w1.shape[0] <= 1024)
 
 
 def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
@@ -327,6 +340,14 @@ class TritonExecutor:
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         act = torch.empty(P, I, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
         act_scales = torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
+        if recipe.quantized and _fused_fp8_forward(cfg, weights, dev):
+            h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
+            cutlass_gemm.fp8_expert_gemm_swiglu(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan.expert_ends,
+                                                pool.row_weights, weights.chunk, cfg.activation_clamp, h, act,
+                                                act_scales)
+            out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
+            cutlass_gemm.fp8_expert_gemm(act, act_scales, weights.w2, weights.w2_scales, plan.expert_ends, out)
+            return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, align)

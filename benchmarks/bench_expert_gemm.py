@@ -1,0 +1,135 @@
+"""The fp8 forward's expert MLP on one GPU: the split path (CUTLASS grouped GEMM for L1, the Triton
+SwiGLU + requantization kernel, CUTLASS grouped GEMM for L2) against our fused kernels
+(csrc/cuda/expert_gemm.h: L1 with SwiGLU in its epilogue, then L2), on a rank's routed pool
+(bench_gemm.pool_sizes: uniform routing, experts padded to 16 rows), with the floor of the same run.
+
+  python benchmarks/bench_expert_gemm.py [--shapes S1,S4,S2,P,proxy16] [--ep 1] [--out x.md]
+
+Per shape: each piece's median ms and TFLOP/s of routed rows, the sum, and the floor =
+max(FLOPs / the dense fp8 rate, bytes / the HBM rate), FLOPs and bytes of the routed rows (the
+weights read once, the pool read, the outputs written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench_gemm import SHAPES, peaks, pool_sizes
+from timing import hbm_bandwidth, median_ms
+
+from megamoe_train.backends import cutlass_gemm
+from megamoe_train.backends import triton_kernels as K_
+from megamoe_train.precision import get_recipe
+from megamoe_train.quant import quantize_act, quantize_weight
+from megamoe_train.weights import interleave_gate_up
+
+FP8 = get_recipe("fp8")
+
+
+def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str]:
+    E, topk, H, I, T = SHAPES[shape]
+    sizes, useful = pool_sizes(shape, ep, routed=True)
+    G, P = len(sizes), sum(sizes)
+    ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    num_rows = ends[-1:].clone()
+    x = torch.randn(P, H, device=dev, dtype=torch.bfloat16)
+    xq, xs = quantize_act(x, FP8)
+    del x
+    w1 = interleave_gate_up(torch.randn(G, 2 * I, H, device=dev, dtype=torch.bfloat16) * H**-0.5, 128)
+    w1q, w1s = quantize_weight(w1, FP8)
+    del w1
+    w2q, w2s = quantize_weight(torch.randn(G, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5, FP8)
+    row_w = torch.rand(P, device=dev)
+    h = torch.empty(P, 2 * I, device=dev, dtype=torch.bfloat16)
+    act = torch.empty(P, I, device=dev, dtype=torch.float8_e4m3fn)
+    act_s = torch.empty(P, I // 128, device=dev)
+    out = torch.empty(P, H, device=dev, dtype=torch.bfloat16)
+
+    def split_l1():
+        cutlass_gemm.fp8_grouped_gemm(xq, xs, w1q, w1s, ends, h)
+
+    def split_swiglu():
+        K_.swiglu_forward(h, row_w, act, act_s, num_rows, 128, None)
+
+    def l2_cutlass():
+        cutlass_gemm.fp8_grouped_gemm(act, act_s, w2q, w2s, ends, out)
+
+    def fused_l1():
+        cutlass_gemm.fp8_expert_gemm_swiglu(xq, xs, w1q, w1s, ends, row_w, 128, None, h, act, act_s)
+
+    def ours_l1_plain():
+        cutlass_gemm.fp8_expert_gemm(xq, xs, w1q, w1s, ends, h)
+
+    def l2_ours():
+        cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out)
+
+    # agreement first: the fused L1 + L2 against the split path on the same inputs
+    split_l1(); split_swiglu(); l2_cutlass()
+    ref_h, ref_out = h.clone(), out.clone()
+    fused_l1(); l2_ours()
+    torch.cuda.synchronize()
+    rows = int(ends[-1])
+    err_h = float((h[:rows].float() - ref_h[:rows].float()).norm() / ref_h[:rows].float().norm())
+    err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
+    del ref_h, ref_out
+
+    t = {name: median_ms(fn, iters=20, warmup=3) for name, fn in (
+        ("split L1", split_l1), ("split SwiGLU", split_swiglu), ("CUTLASS L2", l2_cutlass),
+        ("fused L1+SwiGLU", fused_l1), ("ours L1 plain", ours_l1_plain), ("ours L2", l2_ours))}
+    f1, f2 = 2.0 * useful * H * 2 * I, 2.0 * useful * I * H
+    bytes1 = G * 2 * I * H + useful * H + useful * (2 * I * 2 + I)  # weights, pool, h bf16 + act e4m3
+    bytes2 = G * H * I + useful * I + useful * H * 2
+    floor1 = max(f1 / (fp8_rate * 1e12), bytes1 / hbm) * 1e3
+    floor2 = max(f2 / (fp8_rate * 1e12), bytes2 / hbm) * 1e3
+    split, fused = t["split L1"] + t["split SwiGLU"] + t["CUTLASS L2"], t["fused L1+SwiGLU"] + t["ours L2"]
+
+    def tf(flops, ms):
+        return f"{flops / ms / 1e9:.0f}"
+
+    lines = [
+        f"| {shape} | {G} | {useful} | {P} | split | {t['split L1']:.3f} ({tf(f1, t['split L1'])}) | {t['split SwiGLU']:.3f} "
+        f"| {t['CUTLASS L2']:.3f} ({tf(f2, t['CUTLASS L2'])}) | {split:.3f} | {floor1 + floor2:.3f} | |",
+        f"| {shape} | {G} | {useful} | {P} | fused | {t['fused L1+SwiGLU']:.3f} ({tf(f1, t['fused L1+SwiGLU'])}); plain "
+        f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}) | - | {t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
+        f"| {fused:.3f} | {floor1 + floor2:.3f} | h {err_h:.1e}, y {err_out:.1e} |",
+    ]
+    for line in lines:
+        print(line, flush=True)
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="S1,S4,S2,P,proxy16")
+    p.add_argument("--ep", type=int, default=1, help="the rank's pool as at this expert parallelism")
+    p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda", 0)
+    if not cutlass_gemm.has_expert_gemm(dev):
+        print("needs an sm_90 GPU and megamoe_train._cuda built with the expert GEMMs", file=sys.stderr)
+        return 1
+    _, fp8_rate, _ = peaks(dev)
+    hbm = hbm_bandwidth() / 2  # one direction of the copy: read or write bytes per second
+    head = [
+        f"{torch.cuda.get_device_name(dev)}; dense fp8 {fp8_rate:.0f} TFLOP/s, HBM {hbm / 1e12:.2f} TB/s each way; "
+        f"EP{args.ep} pools; ms (TFLOP/s of routed rows)",
+        "",
+        "| shape | experts | routed rows | pool rows | path | L1 | SwiGLU | L2 | total | floor | agreement (rel. to split) |",
+        "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | --- |",
+    ]
+    print("\n".join(head), flush=True)
+    lines = list(head)
+    for shape in args.shapes.split(","):
+        lines += run_shape(shape, args.ep, fp8_rate, hbm, dev)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+// Host side of expert_gemm.h: checks, the two TMA descriptors, the persistent launch.
+#include <mutex>
+#include <unordered_map>
+
+#include "cutlass/cuda_host_adapter.hpp"
+#include "expert_gemm.h"
+#include "expert_gemm_sm90.cuh"
+
+namespace megamoe {
+namespace {
+
+using expert_sm90::Params;
+
+// A row-major e4m3 matrix [rows, cols] as TMA reads it: box_rows x 128 boxes, 128-byte swizzle (the
+// layout GMMA::Layout_K_SW128_Atom describes), zeros past the last row.
+const char* encode(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, uint32_t box_rows) {
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
+  cuuint32_t box[2] = {expert_sm90::kBlockK, box_rows};
+  cuuint32_t element_strides[2] = {1, 1};
+  CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+      map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed";
+}
+
+// Per device and kernel: the grid (one CTA per SM, or as many 2-CTA clusters as fit at once).
+struct Launch {
+  bool ready = false;
+  int grid = 0;
+};
+
+template <bool kSwiGLU, bool kPair>
+const char* run(const Params& p, int device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::unordered_map<int, Launch> launches;
+  constexpr size_t smem = sizeof(expert_sm90::SharedStorage) + 1024;  // + alignment slack
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair>;
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kPair ? 2 : 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(expert_sm90::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int grid;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    Launch& l = launches[device];
+    if (!l.ready) {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+        return "cudaFuncSetAttribute failed";
+      int sms = 0;
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return "cudaDeviceGetAttribute failed";
+      l.grid = sms;
+      if (kPair) {  // a persistent grid larger than what runs at once would serialize
+        config.gridDim = dim3(sms / 2 * 2);
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0)
+          return "cudaOccupancyMaxActiveClusters failed";
+        l.grid = 2 * clusters;
+      }
+      l.ready = true;
+    }
+    grid = l.grid;
+  }
+  config.gridDim = dim3(grid);
+  cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
+  return err == cudaSuccess ? "" : cudaGetErrorString(err);
+}
+
+template <bool kSwiGLU>
+const char* launch(const ExpertGemmArgs& a) {
+  if (a.num_groups <= 0 || a.num_groups > expert_sm90::kMaxGroups) return "num_groups must be in [1, 1024]";
+  if (a.n % (kSwiGLU ? 2 * expert_sm90::kBlockN : expert_sm90::kBlockN) || a.k % expert_sm90::kBlockK || a.k <= 0)
+    return kSwiGLU ? "N must be a multiple of 256 and K a positive multiple of 128"
+                   : "N and K must be multiples of 128 (K > 0)";
+  if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
+    return "chunk must be a multiple of 128 dividing N/2";
+  if (a.pool_rows == 0) return "";
+  Params p{};
+  if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, expert_sm90::kBlockM / 2); e[0]) return e;
+  if (const char* e = encode(&p.tma_b, a.b, int64_t(a.num_groups) * a.n, a.k, expert_sm90::kBlockN); e[0]) return e;
+  p.a_scales = a.a_scales;
+  p.b_scales = a.b_scales;
+  p.group_ends = a.group_ends;
+  p.row_weights = a.row_weights;
+  p.out = static_cast<__nv_bfloat16*>(a.out);
+  p.act = static_cast<uint8_t*>(a.act);
+  p.act_scales = a.act_scales;
+  p.num_groups = a.num_groups;
+  p.pool_rows = a.pool_rows;
+  p.n = a.n;
+  p.k = a.k;
+  p.chunk = a.chunk;
+  p.clamp = a.clamp;
+  p.has_clamp = a.has_clamp ? 1 : 0;
+
+  const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  return units_per_tile % 2 == 0 ? run<kSwiGLU, true>(p, a.device, stream) : run<kSwiGLU, false>(p, a.device, stream);
+}
+
+}  // namespace
+
+const char* expert_gemm(const ExpertGemmArgs& args) {
+  int previous = -1;
+  cudaGetDevice(&previous);
+  if (previous != args.device) cudaSetDevice(args.device);
+  const char* e = launch<false>(args);
+  if (previous >= 0 && previous != args.device) cudaSetDevice(previous);
+  return e;
+}
+
+const char* expert_gemm_swiglu(const ExpertGemmArgs& args) {
+  int previous = -1;
+  cudaGetDevice(&previous);
+  if (previous != args.device) cudaSetDevice(args.device);
+  const char* e = launch<true>(args);
+  if (previous >= 0 && previous != args.device) cudaSetDevice(previous);
+  return e;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,44 @@
+// Our own fp8 expert GEMMs of the forward (expert_gemm_sm90.cuh): one persistent launch over the
+// whole pool, row-grouped like grouped_gemm.h (group g owns pool rows [group_ends[g-1],
+// group_ends[g])), with epilogues fused in:
+// - expert_gemm_swiglu (L1): out = the pre-activations (bf16 [P, N], N = 2I, gate/up interleaved
+//   in `chunk`-row chunks as B is), act = e4m3(silu(min(g, c)) * clamp(u, -c, c) * row_weight)
+//   [P, I] with one fp32 scale per 1x128 block (act_scales [P, I/128]);
+// - expert_gemm (L2, dgrads): out = bf16 [P, N].
+// A e4m3 [P, K] with a_scales fp32 [P, K/128]; B e4m3 [G, N, K] with b_scales fp32
+// [G, N/128, K/128]; D[rows of g] = (A * a_scales)[rows] @ (B[g] * b_scales[g])^T, the scales
+// applied per 128-deep K block in fp32. Rows past group_ends[G-1] and the rows of a group's last
+// tile past its end are left untouched. group_ends lives on the device: no host sync, capturable.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace megamoe {
+
+struct ExpertGemmArgs {
+  const void* a;
+  const float* a_scales;
+  const void* b;
+  const float* b_scales;
+  const int32_t* group_ends;
+  void* out;
+  const float* row_weights;  // SwiGLU only
+  void* act;                 // SwiGLU only
+  float* act_scales;         // SwiGLU only
+  int num_groups;
+  int pool_rows;
+  int n;
+  int k;
+  int chunk;                 // SwiGLU only
+  float clamp;               // SwiGLU only, used where has_clamp
+  bool has_clamp;
+  void* stream;
+  int device;
+};
+
+// Both return an empty string on success, else what went wrong.
+const char* expert_gemm(const ExpertGemmArgs& args);
+const char* expert_gemm_swiglu(const ExpertGemmArgs& args);
+
+}  // namespace megamoe

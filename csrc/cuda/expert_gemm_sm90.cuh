@@ -1,0 +1,368 @@
+// The fp8 expert GEMM of the forward as our own persistent, warp-specialized Hopper kernel, with
+// the epilogues the CUTLASS collectives cannot express: the L1 GEMM with clamp + SwiGLU + topk
+// weight + 1x128 e4m3 requantization in registers (no pre-activation round trip through a
+// separate kernel), and the plain bf16 store for L2 and the dgrads.
+//
+// Layout of the work (expert_gemm.h has the operands):
+// - A is the pool as one 2-D tensor [P, K] and B the stacked weights as one 2-D tensor [G*N, K]:
+//   two TMA descriptors for the whole call, none per group (the pointer-array CUTLASS kernel
+//   rewrites its descriptors at every group change).
+// - A tile is 128 pool rows starting at a group's start + 128 i, so a group's last tile may
+//   read rows of the next group (or zeros past P); the epilogue stores only the group's rows.
+//   The tile count per group is known only on the device: each CTA builds the prefix over the
+//   groups once, in shared memory, and walks the same work list as every other CTA.
+// - Work units are (m tile, 128-wide output block), m-major, so the ~132 units in flight share
+//   two or three experts' weights through L2 and each weight block comes from HBM about once.
+// - With an even number of blocks per m tile, CTAs run in pairs (a 2-CTA cluster) on the same m
+//   tile and neighbouring blocks: each CTA loads half of the A tile and multicasts it to both, so
+//   A's L2 reads halve (at 128x128x128 fp8 tiles the L2 -> SM feed, ~11 TB/s at the dense rate,
+//   is what limits the main loop).
+// - Warpgroup 0 is the producer (one thread issues every TMA load); warpgroups 1-2 each compute
+//   64 rows of the 128-row tile with m64n128k32 wgmma. fp8: each 128-deep K block goes into a
+//   scratch accumulator, then is promoted into the fp32 result times A's row scales and B's block
+//   scale (DeepSeek-V3's recipe); while one math warpgroup promotes, the other's wgmmas run.
+// - SwiGLU: one unit computes the gate block, keeps it as packed bf16 (the pre-activation the
+//   backward reads is stored bf16, so SwiGLU is computed from the same rounded values the split
+//   path's SwiGLU kernel reads), then the matching up block of the same rows, and quantizes
+//   silu(gate) * up * w_row per 128 columns: one unit's output is exactly one scale block.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/tensor.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/numeric_types.h"
+
+namespace megamoe {
+namespace expert_sm90 {
+
+using namespace cute;
+
+constexpr int kBlockM = 128;   // pool rows per tile: two math warpgroups of 64
+constexpr int kBlockN = 128;   // output columns per block (a weight scale block)
+constexpr int kBlockK = 128;   // one 128-byte swizzle row of e4m3, and one scale block deep
+constexpr int kStages = 6;     // 32 KB per stage (A and B tiles)
+constexpr int kThreads = 384;  // producer warpgroup + two math warpgroups
+constexpr int kMaxGroups = 1024;
+constexpr int kMathThreads = 256;
+
+using Element = cutlass::float_e4m3_t;
+using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                           Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{}));
+using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                           Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{}));
+using TiledMma = decltype(make_tiled_mma(
+    SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockK>>>(),
+    Layout<Shape<_2, _1, _1>>{}));
+constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK;
+
+struct alignas(1024) SharedStorage {
+  cute::array_aligned<Element, cosize_v<SmemLayoutA>, 1024> a;
+  cute::array_aligned<Element, cosize_v<SmemLayoutB>, 1024> b;
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  int tile_ends[kMaxGroups];   // cumulative m tiles of groups 0..g
+  int group_ends[kMaxGroups];  // the plan's cumulative row ends
+};
+
+struct Params {
+  CUtensorMap tma_a;           // e4m3 [P, K], box 64 rows x 128, 128-byte swizzle
+  CUtensorMap tma_b;           // e4m3 [G*N, K], same box
+  const float* a_scales;       // [P, K/128]
+  const float* b_scales;       // [G, N/128, K/128]
+  const int32_t* group_ends;   // [G]
+  const float* row_weights;    // SwiGLU: [P], the rows' topk weights
+  __nv_bfloat16* out;          // [P, N]: the product (plain) or the pre-activations (SwiGLU)
+  uint8_t* act;                // SwiGLU: e4m3 [P, N/2]
+  float* act_scales;           // SwiGLU: [P, N/256]
+  int num_groups, pool_rows, n, k;
+  int chunk;                   // SwiGLU: gate/up interleave of B's rows (and of out's columns)
+  float clamp;
+  int has_clamp;
+};
+
+// The unit's m tile: its group, first row and the group's row end.
+struct Tile {
+  int group, m0, m_end, block;
+};
+
+__device__ __forceinline__ Tile decode(const SharedStorage& s, int num_groups, int units_per_tile, int unit) {
+  int t = unit / units_per_tile;
+  int lo = 0, hi = num_groups - 1;
+  while (lo < hi) {  // first group whose cumulative tile count exceeds t
+    int mid = (lo + hi) >> 1;
+    if (s.tile_ends[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  int first_tile = lo ? s.tile_ends[lo - 1] : 0;
+  int start = lo ? s.group_ends[lo - 1] : 0;
+  return {lo, start + (t - first_tile) * kBlockM, s.group_ends[lo], unit % units_per_tile};
+}
+
+// B row (and output column) of a SwiGLU unit's gate block: activation columns [128 b, 128 b + 128)
+// come from the interleave's chunk holding them; the up block is `chunk` rows further.
+__device__ __forceinline__ int gate_row(int block, int chunk) {
+  int col = block * kBlockN;
+  return (col / chunk) * (2 * chunk) + col % chunk;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+
+// x / scale correctly rounded, clamped to +-448 with NaN kept, as quant.quantize_act.
+// recip = 1 / scale correctly rounded (once per block); two FMA corrections make the quotient the
+// correctly rounded one for |x / scale| <= 448 (the block's amax bounds x), as the Triton
+// quantizers' divide_rn does, at a fraction of a full division's cost.
+__device__ __forceinline__ float e4m3_quotient(float x, float scale, float recip) {
+  float q0 = x * recip;
+  float q = fmaf(fmaf(-q0, scale, x), recip, q0);
+  q = fmaf(fmaf(-q, scale, x), recip, q);
+  q = q0 == 0.0f ? q0 : q;  // +-0 keeps its sign (the corrections' +0 remainders would drop it)
+  return q != q ? q : fminf(fmaxf(q, -448.0f), 448.0f);
+}
+
+template <bool kSwiGLU, bool kPair>
+__device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit_stride, int total_units,
+                     int units_per_tile);
+
+// kPair: the CTA is one of a 2-CTA cluster sharing each A tile by multicast (units_per_tile even).
+template <bool kSwiGLU, bool kPair>
+__global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
+  extern __shared__ char smem_raw[];
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = p.num_groups, KB = p.k / kBlockK;
+  const int units_per_tile = kSwiGLU ? p.n / (2 * kBlockN) : p.n / kBlockN;
+  const int cta = kPair ? int(cute::block_rank_in_cluster()) : 0;
+  // units are taken in pairs by a cluster: (its first unit, the stride between its units)
+  const int first_unit = kPair ? (blockIdx.x / 2) * 2 + cta : blockIdx.x;
+  const int unit_stride = gridDim.x;
+
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[st], 1);
+      // one arrive per math warp of every CTA whose loads write this stage
+      cutlass::arch::ClusterBarrier::init(&s.empty[st], (kPair ? 2 : 1) * kMathThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+    cute::prefetch_tma_descriptor(&p.tma_a);
+    cute::prefetch_tma_descriptor(&p.tma_b);
+  }
+  if (warp == 0) {  // per-group m-tile prefix, 32 groups per step
+    int carry = 0;
+    for (int g0 = 0; g0 < G; g0 += 32) {
+      int g = g0 + lane;
+      int end = g < G ? p.group_ends[g] : 0;
+      int start = (g < G && g > 0) ? p.group_ends[g - 1] : 0;
+      int tiles = g < G ? max(0, (end - start + kBlockM - 1) / kBlockM) : 0;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        int t = __shfl_up_sync(0xffffffffu, tiles, off);
+        if (lane >= off) tiles += t;
+      }
+      if (g < G) {
+        s.tile_ends[g] = carry + tiles;
+        s.group_ends[g] = end;
+      }
+      carry += __shfl_sync(0xffffffffu, tiles, 31);
+    }
+  }
+  if constexpr (kPair) {  // the peer's barriers exist before any multicast reaches them
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  } else {
+    __syncthreads();
+  }
+  const int total_units = (G > 0 ? s.tile_ends[G - 1] : 0) * units_per_tile;
+
+  if (threadIdx.x < 128) {  // producer warpgroup
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int unit = first_unit; unit < total_units; unit += unit_stride) {
+        Tile tile = decode(s, G, units_per_tile, unit);
+        int row0 = kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN;
+#pragma unroll 1
+        for (int half = 0; half < (kSwiGLU ? 2 : 1); ++half) {
+          int b_row = tile.group * p.n + row0 + half * p.chunk;
+#pragma unroll 1
+          for (int kb = 0; kb < KB; ++kb) {
+            cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase ^ 1);
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytes);
+            Element* a_stage = s.a.data() + stage * kBlockM * kBlockK;
+            if constexpr (kPair) {  // this CTA's half of the rows, into both CTAs
+              SM90_TMA_LOAD_MULTICAST_2D::copy(&p.tma_a, &s.full[stage], 0x3, 0, a_stage + cta * 64 * kBlockK,
+                                               kb * kBlockK, tile.m0 + cta * 64);
+            } else {
+              SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage, kb * kBlockK, tile.m0);
+              SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + 64 * kBlockK, kb * kBlockK, tile.m0 + 64);
+            }
+            SM90_TMA_LOAD_2D::copy(&p.tma_b, &s.full[stage], 0, s.b.data() + stage * kBlockN * kBlockK, kb * kBlockK,
+                                   b_row);
+            if (++stage == kStages) {
+              stage = 0;
+              phase ^= 1;
+            }
+          }
+        }
+      }
+    }
+  } else {
+    math<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
+  }
+  if constexpr (kPair) {  // no CTA leaves while its peer may still arrive on its barriers
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  }
+}
+
+// The math warpgroups: the main loop with the fp32 promotion, then the unit's epilogue.
+template <bool kSwiGLU, bool kPair>
+__device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit_stride, int total_units,
+                     int units_per_tile) {
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int lane = threadIdx.x % 32, G = p.num_groups, KB = p.k / kBlockK;
+  const int ct = threadIdx.x - 128;
+  TiledMma mma;
+  auto thr = mma.get_thread_slice(ct);
+  Tensor sA = make_tensor(make_smem_ptr(s.a.data()), SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b.data()), SmemLayoutB{});
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor scratch = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  constexpr int kFrag = decltype(size(scratch))::value;  // 64: (2 columns, 2 rows, 16 column groups)
+  static_assert(kFrag == 64, "m64n128 accumulator per thread");
+  float acc[kFrag];
+  uint32_t gate[kFrag / 2];  // SwiGLU: the gate block as packed bf16
+
+  // this thread's rows and columns in the tile (wgmma's accumulator layout)
+  const int tile_row = (ct / 128) * 64 + ((ct % 128) / 32) * 16 + lane / 4;  // and + 8
+  const int tile_col = 2 * (lane % 4);                                       // + 8 i, and + 1
+  const int NB = p.n / kBlockN;
+  int stage = 0;
+  uint32_t phase = 0;
+
+  for (int unit = first_unit; unit < total_units; unit += unit_stride) {
+    Tile tile = decode(s, G, units_per_tile, unit);
+    const int rows[2] = {tile.m0 + tile_row, tile.m0 + tile_row + 8};
+    const int scale_rows[2] = {min(rows[0], p.pool_rows - 1), min(rows[1], p.pool_rows - 1)};
+    const bool live[2] = {rows[0] < tile.m_end, rows[1] < tile.m_end};
+    const int col0 = kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN;
+
+#pragma unroll 1
+    for (int half = 0; half < (kSwiGLU ? 2 : 1); ++half) {
+      const int out_col = col0 + half * p.chunk;
+      const float* b_scale = p.b_scales + (size_t(tile.group) * NB + out_col / kBlockN) * KB;
+      const float* a_scale0 = p.a_scales + size_t(scale_rows[0]) * KB;
+      const float* a_scale1 = p.a_scales + size_t(scale_rows[1]) * KB;
+#pragma unroll
+      for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
+
+#pragma unroll 1
+      for (int kb = 0; kb < KB; ++kb) {
+        const float sb = __ldg(b_scale + kb);
+        const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
+        cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
+        warpgroup_fence_operand(scratch);
+        warpgroup_arrive();
+        mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+        for (int k = 0; k < size<2>(tCrA); ++k) {
+          cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), scratch);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(scratch);
+        if (lane == 0) {
+          if constexpr (kPair) {  // both CTAs' loads write this stage: release it to both
+            cutlass::arch::ClusterBarrier::arrive(&s.empty[stage], 0, 1);
+            cutlass::arch::ClusterBarrier::arrive(&s.empty[stage], 1, 1);
+          } else {
+            cutlass::arch::ClusterBarrier::arrive(&s.empty[stage]);
+          }
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+#pragma unroll
+        for (int v = 0; v < kFrag; ++v) acc[v] = fmaf(scratch(v), (v & 2) ? s1 : s0, acc[v]);
+      }
+
+      // store this block (bf16): value v is row + 8 ((v >> 1) & 1), column 8 (v >> 2) + (v & 1)
+#pragma unroll
+      for (int i = 0; i < kFrag / 4; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          uint32_t packed = pack_bf16(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
+          if (kSwiGLU && half == 0) gate[2 * i + r] = packed;
+          if (live[r]) {
+            *reinterpret_cast<uint32_t*>(p.out + size_t(rows[r]) * p.n + out_col + 8 * i + tile_col) = packed;
+          }
+          if (kSwiGLU && half == 1) {  // from here on acc holds the activation (fp32)
+            float2 g = unpack_bf16(gate[2 * i + r]);
+            float2 u = unpack_bf16(packed);
+            if (p.has_clamp) {
+              g.x = fminf(g.x, p.clamp);
+              g.y = fminf(g.y, p.clamp);
+              u.x = fminf(fmaxf(u.x, -p.clamp), p.clamp);
+              u.y = fminf(fmaxf(u.y, -p.clamp), p.clamp);
+            }
+            float w = live[r] ? __ldg(p.row_weights + rows[r]) : 0.0f;
+            // approximate division, as the Triton SwiGLU kernel's
+            acc[4 * i + 2 * r] = __fdividef(g.x, 1.0f + __expf(-g.x)) * u.x * w;
+            acc[4 * i + 2 * r + 1] = __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y * w;
+          }
+        }
+      }
+    }
+
+    if constexpr (kSwiGLU) {
+      // one 1x128 scale block per row: this thread's 32 columns, then the quad's
+      const int I = p.n / 2, act_col = tile.block * kBlockN + tile_col;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        uint32_t amax_bits = 0;  // max of |a| as bits: a NaN's exceed every finite value's
+#pragma unroll
+        for (int i = 0; i < kFrag / 4; ++i) {
+          amax_bits = max(amax_bits, __float_as_uint(acc[4 * i + 2 * r]) & 0x7fffffffu);
+          amax_bits = max(amax_bits, __float_as_uint(acc[4 * i + 2 * r + 1]) & 0x7fffffffu);
+        }
+        amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, 1));
+        amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, 2));
+        float amax = __uint_as_float(amax_bits);
+        float scale = __fdiv_rn(amax != amax ? amax : fmaxf(amax, 1e-4f), 448.0f);
+        float recip = __frcp_rn(scale);
+        if (!live[r]) continue;
+        uint8_t* act_row = p.act + size_t(rows[r]) * I + act_col;
+#pragma unroll
+        for (int i = 0; i < kFrag / 4; ++i) {
+          __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
+              make_float2(e4m3_quotient(acc[4 * i + 2 * r], scale, recip),
+                          e4m3_quotient(acc[4 * i + 2 * r + 1], scale, recip)),
+              __NV_SATFINITE, __NV_E4M3);
+          *reinterpret_cast<__nv_fp8x2_storage_t*>(act_row + 8 * i) = q;
+        }
+        if (lane % 4 == 0) p.act_scales[size_t(rows[r]) * (I / kBlockN) + tile.block] = scale;
+      }
+    }
+  }
+}
+
+}  // namespace expert_sm90
+}  // namespace megamoe
