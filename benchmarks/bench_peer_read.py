@@ -3,7 +3,7 @@
 Why: in the layer's forward, whichever operation first touches the peer's status and ids after
 the publish takes 50-106 us (a copy-engine write of the status word, a cat of the ids, now the
 plan's count kernel), where the next kernel reading the same ids takes 25 us, and remote reads
-after an idle GPU take 6-8 us (NOTES.md, session 21). This separates the suspects.
+after an idle GPU take 6-8 us. This separates the suspects.
 
 Each trial, on both ranks at once: optionally sweep 512 MB of the peer's memory (address
 translation pressure, as the pull and push make), write region A of this rank's symmetric

@@ -76,7 +76,7 @@ VARIANTS = {
     "bf16-torch-adam": ("bf16", ["train.adam_writes_model_params=false"]),
     "fp8-torch-adam": ("fp8", ["train.adam_writes_model_params=false"]),
     # the DeepSeek-V3 proxy's tokens per optimizer step in other micro-batch splits (the 2-GPU
-    # recipes: 16 x 1 since session 26, 4 x 4 before): every micro-batch reads and writes the
+    # recipes: 16 x 1 since a1edf4a, 4 x 4 before): every micro-batch reads and writes the
     # experts' fp32 main_grad once in its wgrads
     "bf16-mb4": ("bf16", ["train.micro_batch_size=4", "train.grad_accum_steps=4"]),
     "fp8-mb4": ("fp8", ["train.micro_batch_size=4", "train.grad_accum_steps=4"]),

@@ -15,7 +15,7 @@ per-rank expert weights, S1 (E_local 128, H 4096, I 2048) and S4 (E_local 128, H
 Floors: bytes read + written over the HBM bandwidth measured in the same run (a 4 GiB
 device-to-device copy). Outputs are checked equal to the torch path's before timing.
 
-adapter: the issue-9 comparison (results/2026-11-30_weight_prep_1xH200.txt): before vs after the
+adapter: the issue-9 comparison: before vs after the
 stacked expert parameters, DeepSeek-V3 proxy shapes (256 experts over EP=2, H=2048, I=512,
 5 MoE layers), bf16 parameters. before, per layer and forward (the recompute pass runs it again):
   stack   torch.stack of every local expert's fc1 and fc2 (a new tensor each time, so the weight
@@ -120,7 +120,7 @@ def fp8(args):
         skipped = [d for d in args.master_dtypes if DTYPES[d] not in taken]
         if skipped:
             print(f"\n{shape}: {', '.join(skipped)} masters skipped: on CUDA the kernel takes {taken} only, "
-                  "the others use the torch ops (NOTES.md)")
+                  "the others use the torch ops (fp32 masters gave other bits than quant.py on the GPU)")
         for i, dname in enumerate(d for d in args.master_dtypes if d not in skipped):
             dtype, first_dtype = DTYPES[dname], i == 0
             torch.cuda.empty_cache()

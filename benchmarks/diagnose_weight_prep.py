@@ -5,8 +5,8 @@ are not bit-exact and nothing else uses them.
 
   python benchmarks/diagnose_weight_prep.py
 
-Session 27 (raw results/2026-12-01_weight_prep_diagnosis_1xH200.txt): with div_rn the pass took
-2.2x its multiply variant, which led to triton_kernels.divide_rn.
+Measured 2026-12-01 (1x H200): with div_rn the pass took 2.2x its multiply variant, which led to
+triton_kernels.divide_rn.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ One more flag, ours: `overwrite_main_grad = True` on a weight says its main_grad
 values, not a running sum (the grad buffer was not zeroed for this step). The next backward
 then writes the gradient over main_grad instead of adding to it and clears the flag, so a
 later micro-batch of the step adds again. This saves the buffer's zeroing and the GEMM's read
-of main_grad (8 bytes per expert weight per step, NOTES.md). Whoever sets the flag (the Megatron
+of main_grad (8 bytes per expert weight per step). Whoever sets the flag (the Megatron
 adapter's grad buffers, megatron_patch/grad_buffers.py) guarantees that the weight's next
 backward is a fused mega_moe backward.
 """

@@ -237,7 +237,7 @@ def repeat_bitwise(rank, world, backend, recipe, iters):
     with NaN before each call: every output must equal the first call's, bit for bit. Catches
     writes that are lost between ranks: the reference once wrote d(topk weight) through a column
     view, whose index_put under deterministic algorithms is a read-modify-write of the whole
-    column, racing with the other owner's writes (failed ~1 call in 10; NOTES.md)."""
+    column, racing with the other owner's writes (failed ~1 call in 10)."""
     cfg_kwargs = dict(TRITON_BASE, recipe=recipe, num_shared_experts=1, activation_clamp=6.0)
     cfg = MegaMoEConfig(**cfg_kwargs)
     prob = _reference_problem(cfg, world)

@@ -18,8 +18,8 @@ using KN = cutlass::layout::RowMajor;
 // 2: 128x256x64 tiles, 1x2 cluster (A tile multicast to neighbouring N tiles). A 2x1 cluster
 //    pairs an expert's M tiles, so an expert with an odd number of 128-row tiles (S1: 3) leaves
 //    one CTA of a pair idle; pairing N tiles (N / 256 is even at every layer shape) does not.
-// Ping-pong 64x256x64 and 64x128x64 (1x2) measured 1.4-2x slower at S1-S4 (NOTES.md,
-// 2026-11-30): not kept.
+// Ping-pong 64x256x64 and 64x128x64 (1x2) measured 1.4-2x slower at S1-S4
+// (2026-11-30): not kept.
 using NK0 = GroupedGemm<BF16, NK, Shape<_128, _256, _64>, Shape<_2, _1, _1>, Schedule, Epi>;
 using NK1 = GroupedGemm<BF16, NK, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Schedule, Epi>;
 using NK2 = GroupedGemm<BF16, NK, Shape<_128, _256, _64>, Shape<_1, _2, _1>, Schedule, Epi>;

@@ -5,7 +5,7 @@
 // - accumulated: D[g] fp32 [M, N] += the product, e.g. Megatron's main_grad. Folding the
 //   accumulation into the epilogue replaces a bf16 gradient write (2 bytes per weight) plus a
 //   separate main_grad += grad pass (2 + 4 + 4 bytes) by the epilogue's fp32 read and write
-//   (8 bytes), and keeps the product unrounded (NOTES.md);
+//   (8 bytes), and keeps the product unrounded;
 // - stored fp32: D[g] fp32 [M, N] = the product, for a main_grad whose contents are stale (the
 //   step's first micro-batch when the grad buffer is not zeroed): 4 bytes per weight, and the
 //   buffer's zeroing pass (another 4) is not needed.

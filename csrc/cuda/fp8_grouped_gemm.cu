@@ -15,8 +15,8 @@ using NK = cutlass::layout::ColumnMajor;
 // 0: a 1x2 cluster shares each A tile between the CTAs of neighbouring N tiles (TMA multicast);
 // 1: a 2x1 cluster shares each B tile between neighbouring M tiles; 2: no cluster.
 // Ping-pong 64x128 tiles (1x2 and 2x1 clusters) measured 25-50% slower than 0 at S1-S4
-// (NOTES.md, 2026-11-30), and 6-23% slower at the training proxy's GEMMs, K = 512 included,
-// on the layer's pool sizes (session 22); 64x256 does not compile (one B scale per N tile): not kept.
+// (2026-11-30), and 6-23% slower at the training proxy's GEMMs, K = 512 included, on the
+// layer's pool sizes; 64x256 does not compile (one B scale per N tile): not kept.
 using V0 = GroupedGemm<E4M3, NK, Shape<_128, _128, _128>, Shape<_1, _2, _1>, Schedule, Epi>;
 using V1 = GroupedGemm<E4M3, NK, Shape<_128, _128, _128>, Shape<_2, _1, _1>, Schedule, Epi>;
 using V2 = GroupedGemm<E4M3, NK, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Schedule, Epi>;

@@ -3,7 +3,7 @@
 //
 // These GEMMs are output-heavy: an expert's K is its 256-4096 pool rows, so a 128x128 tile
 // writes 32 KB of bf16 after only 2-32 K steps, and at S1 the whole output (G*M*N*2 = 2.1 GB)
-// takes ~0.45 ms of HBM time next to ~0.6 ms of fp8 tensor time (NOTES.md). What matters is
+// takes ~0.45 ms of HBM time next to ~0.6 ms of fp8 tensor time. What matters is
 // keeping the tensor cores busy while tiles are written out.
 #include "grouped_gemm_impl.cuh"
 

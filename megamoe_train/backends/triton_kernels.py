@@ -240,7 +240,7 @@ def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, s
 
 # The quantizers divide every element by its block's scale, correctly rounded as torch's x / scale
 # is. Triton's div_rn is CUDA's div.rn: a slow-path check and branch per element that, in the
-# weight-prep kernel, made the pass 2.2x slower than a multiply (NOTES.md, session 27). On the GPU
+# weight-prep kernel, made the pass 2.2x slower than a multiply (measured on an H200). On the GPU
 # divide_rn takes the same route as div.rn's fast path without the check: the quotient by the
 # correctly rounded reciprocal, then two FMA corrections (x - q * s is exact, and each step
 # moves q to the rounding of q + r * (x - q * s)); the check guards exponent ranges these operands
