@@ -63,6 +63,9 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
     def ours_l1_plain():
         cutlass_gemm.fp8_expert_gemm(xq, xs, w1q, w1s, ends, h)
 
+    def ours_l1_plain_single():  # no CTA pairs (A not multicast)
+        cutlass_gemm.fp8_expert_gemm(xq, xs, w1q, w1s, ends, h, variant=1)
+
     def l2_ours():
         cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out)
 
@@ -78,7 +81,8 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
 
     t = {name: median_ms(fn, iters=20, warmup=3) for name, fn in (
         ("split L1", split_l1), ("split SwiGLU", split_swiglu), ("CUTLASS L2", l2_cutlass),
-        ("fused L1+SwiGLU", fused_l1), ("ours L1 plain", ours_l1_plain), ("ours L2", l2_ours))}
+        ("fused L1+SwiGLU", fused_l1), ("ours L1 plain", ours_l1_plain), ("ours L1 plain single", ours_l1_plain_single),
+        ("ours L2", l2_ours))}
     f1, f2 = 2.0 * useful * H * 2 * I, 2.0 * useful * I * H
     bytes1 = G * 2 * I * H + useful * H + useful * (2 * I * 2 + I)  # weights, pool, h bf16 + act e4m3
     bytes2 = G * H * I + useful * I + useful * H * 2
@@ -93,7 +97,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
         f"| {shape} | {G} | {useful} | {P} | split | {t['split L1']:.3f} ({tf(f1, t['split L1'])}) | {t['split SwiGLU']:.3f} "
         f"| {t['CUTLASS L2']:.3f} ({tf(f2, t['CUTLASS L2'])}) | {split:.3f} | {floor1 + floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | fused | {t['fused L1+SwiGLU']:.3f} ({tf(f1, t['fused L1+SwiGLU'])}); plain "
-        f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}) | - | {t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
+        f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}); no pairs {t['ours L1 plain single']:.3f} | - | {t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
         f"| {fused:.3f} | {floor1 + floor2:.3f} | h {err_h:.1e}, y {err_out:.1e} |",
     ]
     for line in lines:

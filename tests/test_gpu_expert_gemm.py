@@ -59,10 +59,11 @@ def rel_err(x, ref):
 @needs_kernel
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152)])
-def test_plain_matches_dequantized_product(sizes, n, k):
+@pytest.mark.parametrize("variant", [0, 1])
+def test_plain_matches_dequantized_product(sizes, n, k, variant):
     aq, a_s, bq, b_s, ends = make_case(sizes, n, k)
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
-    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, out)
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, out, variant)
     live = int(ends[-1])
     assert torch.isnan(out[live:]).all(), "rows past the last group were written"
     assert not torch.isnan(out[:live]).any(), "rows of a group were left unwritten"
@@ -73,8 +74,8 @@ def test_plain_matches_dequantized_product(sizes, n, k):
         cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, cut)
         assert rel_err(out[:live], cut[:live].float()) < 4e-3
     again = torch.full_like(out, float("nan"))
-    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again)
-    assert torch.equal(out[:live], again[:live]), "not bitwise repeatable"
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, 1 - variant)
+    assert torch.equal(out[:live], again[:live]), "not bitwise repeatable (or the variants differ)"
 
 
 def swiglu_case(sizes, inter, k, chunk, seed):
@@ -86,12 +87,12 @@ def swiglu_case(sizes, inter, k, chunk, seed):
     return aq, a_s, bq, b_s, ends, row_w
 
 
-def run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp):
+def run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=0):
     P, inter = aq.shape[0], bq.shape[1] // 2
     h = torch.full((P, 2 * inter), float("nan"), dtype=torch.bfloat16, device=aq.device)
     act = torch.full((P, inter), float("nan"), dtype=torch.float8_e4m3fn, device=aq.device)
     scales = torch.full((P, inter // 128), float("nan"), device=aq.device)
-    cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, h, act, scales)
+    cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, h, act, scales, variant)
     return h, act, scales
 
 
@@ -117,7 +118,7 @@ def test_swiglu_matches_oracle(sizes, inter, k, chunk, clamp):
         assert rel_err(scales[:live], ref_s) < 1e-5
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
-    again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp)
+    again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=1)  # and the same bits without pairs
     assert torch.equal(h[:live], again[0][:live]) and torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8))
 
 

@@ -71,29 +71,30 @@ size_t bf16_wgrad_workspace_bytes(int num_groups, int variant, int output, int d
 megamoe::ExpertGemmArgs expert_args(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales,
                                      uintptr_t group_ends, uintptr_t out, uintptr_t row_weights, uintptr_t act,
                                      uintptr_t act_scales, int num_groups, int pool_rows, int n, int k, int chunk,
-                                     double clamp, bool has_clamp, uintptr_t stream, int device) {
+                                     double clamp, bool has_clamp, int variant, uintptr_t stream, int device) {
   return {reinterpret_cast<const void*>(a), reinterpret_cast<const float*>(a_scales), reinterpret_cast<const void*>(b),
           reinterpret_cast<const float*>(b_scales), reinterpret_cast<const int32_t*>(group_ends),
           reinterpret_cast<void*>(out), reinterpret_cast<const float*>(row_weights), reinterpret_cast<void*>(act),
           reinterpret_cast<float*>(act_scales), num_groups, pool_rows, n, k, chunk, static_cast<float>(clamp),
-          has_clamp, reinterpret_cast<void*>(stream), device};
+          has_clamp, variant, reinterpret_cast<void*>(stream), device};
 }
 
 // expert_gemm.h: a e4m3 [pool_rows, k] + scales, b e4m3 [num_groups, n, k] + scales, out bf16 [pool_rows, n].
 void expert_gemm(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales, uintptr_t group_ends, uintptr_t out,
-                 int num_groups, int pool_rows, int n, int k, uintptr_t stream, int device) {
+                 int num_groups, int pool_rows, int n, int k, int variant, uintptr_t stream, int device) {
   check("expert_gemm", megamoe::expert_gemm(expert_args(a, a_scales, b, b_scales, group_ends, out, 0, 0, 0, num_groups,
-                                                        pool_rows, n, k, 0, 0.0, false, stream, device)));
+                                                        pool_rows, n, k, 0, 0.0, false, variant, stream, device)));
 }
 
 // expert_gemm.h's L1: out the pre-activations bf16 [pool_rows, n], act e4m3 [pool_rows, n/2] + act_scales.
 void expert_gemm_swiglu(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales, uintptr_t group_ends,
                         uintptr_t out, uintptr_t row_weights, uintptr_t act, uintptr_t act_scales, int num_groups,
-                        int pool_rows, int n, int k, int chunk, double clamp, bool has_clamp, uintptr_t stream,
-                        int device) {
+                        int pool_rows, int n, int k, int chunk, double clamp, bool has_clamp, int variant,
+                        uintptr_t stream, int device) {
   check("expert_gemm_swiglu",
         megamoe::expert_gemm_swiglu(expert_args(a, a_scales, b, b_scales, group_ends, out, row_weights, act, act_scales,
-                                                num_groups, pool_rows, n, k, chunk, clamp, has_clamp, stream, device)));
+                                                num_groups, pool_rows, n, k, chunk, clamp, has_clamp, variant, stream,
+                                                device)));
 }
 
 size_t bf16_workspace_bytes(int num_groups, int variant, int b_layout, int device) {
@@ -131,11 +132,11 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("stream"), py::arg("device"));
   m.def("expert_gemm", &expert_gemm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
         py::arg("group_ends"), py::arg("out"), py::arg("num_groups"), py::arg("pool_rows"), py::arg("n"), py::arg("k"),
-        py::arg("stream"), py::arg("device"));
+        py::arg("variant"), py::arg("stream"), py::arg("device"));
   m.def("expert_gemm_swiglu", &expert_gemm_swiglu, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
         py::arg("group_ends"), py::arg("out"), py::arg("row_weights"), py::arg("act"), py::arg("act_scales"),
         py::arg("num_groups"), py::arg("pool_rows"), py::arg("n"), py::arg("k"), py::arg("chunk"), py::arg("clamp"),
-        py::arg("has_clamp"), py::arg("stream"), py::arg("device"));
+        py::arg("has_clamp"), py::arg("variant"), py::arg("stream"), py::arg("device"));
   m.def("bf16_wgrad_grouped_gemm", &bf16_wgrad_grouped_gemm, py::arg("a"), py::arg("b"), py::arg("d"),
         py::arg("group_ends"), py::arg("num_groups"), py::arg("m"), py::arg("n"), py::arg("p"), py::arg("output"),
         py::arg("variant"), py::arg("swizzle"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),

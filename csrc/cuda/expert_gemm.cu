@@ -83,6 +83,7 @@ const char* launch(const ExpertGemmArgs& a) {
                    : "N and K must be multiples of 128 (K > 0)";
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
+  if (a.variant < 0 || a.variant > 1) return "variant must be 0 or 1";
   if (a.pool_rows == 0) return "";
   Params p{};
   if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, expert_sm90::kBlockM / 2); e[0]) return e;
@@ -104,7 +105,7 @@ const char* launch(const ExpertGemmArgs& a) {
 
   const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  return units_per_tile % 2 == 0 ? run<kSwiGLU, true>(p, a.device, stream) : run<kSwiGLU, false>(p, a.device, stream);
+  return units_per_tile % 2 == 0 && a.variant == 0 ? run<kSwiGLU, true>(p, a.device, stream) : run<kSwiGLU, false>(p, a.device, stream);
 }
 
 }  // namespace

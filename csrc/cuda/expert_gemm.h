@@ -33,6 +33,7 @@ struct ExpertGemmArgs {
   int chunk;                 // SwiGLU only
   float clamp;               // SwiGLU only, used where has_clamp
   bool has_clamp;
+  int variant;               // 0: 2-CTA clusters sharing A where a tile has an even block count; 1: never
   void* stream;
   int device;
 };

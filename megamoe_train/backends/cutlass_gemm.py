@@ -343,23 +343,24 @@ def _fp8_expert_operands(fn: str, a, a_scales, b, b_scales, group_ends, out, n_o
     return P, K, G, N, dev
 
 
-def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out):
+def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int = 0):
     """out[rows of g] = (a * a_scales)[rows] @ (b[g] * b_scales[g])^T, as fp8_grouped_gemm, on our
     persistent kernel. a e4m3 [P, K] + fp32 [P, K/128]; b e4m3 [G, N, K] + fp32 [G, N/128, K/128];
-    out bf16 [P, N]. Returns out."""
+    out bf16 [P, N]. variant 0: CTA pairs share each A tile by multicast where a tile has an even
+    number of 128-column blocks; 1: never (for comparisons). Returns out."""
     fn = "fp8_expert_gemm"
     P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0)
     _cuda.expert_gemm(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), group_ends.data_ptr(),
-                      out.data_ptr(), G, P, N, K, torch.cuda.current_stream(dev).cuda_stream, dev.index)
+                      out.data_ptr(), G, P, N, K, variant, torch.cuda.current_stream(dev).cuda_stream, dev.index)
     return out
 
 
 def fp8_expert_gemm_swiglu(a, a_scales, b, b_scales, group_ends, row_weights, chunk: int, clamp, pre_act, act,
-                           act_scales):
+                           act_scales, variant: int = 0):
     """The L1 GEMM with SwiGLU fused: pre_act = the product (bf16 [P, 2I], gate/up interleaved in
     chunks of `chunk` as b's rows are), act = e4m3(silu(min(g, c)) * clamp(u, -c, c) * row_weights)
     [P, I] with act_scales fp32 [P, I/128] (one per 1x128 block), for every row of every group.
-    Returns (pre_act, act, act_scales)."""
+    variant as fp8_expert_gemm's. Returns (pre_act, act, act_scales)."""
     fn = "fp8_expert_gemm_swiglu"
     N2 = b.shape[1] if b.dim() == 3 else 0
     P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, pre_act, N2)
@@ -371,6 +372,6 @@ def fp8_expert_gemm_swiglu(a, a_scales, b, b_scales, group_ends, row_weights, ch
     _check(fn, "act_scales", act_scales, torch.float32, (P, I // SCALE_BLOCK), dev)
     _cuda.expert_gemm_swiglu(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), group_ends.data_ptr(),
                              pre_act.data_ptr(), row_weights.data_ptr(), act.data_ptr(), act_scales.data_ptr(), G, P, N,
-                             K, chunk, float(clamp or 0.0), clamp is not None,
+                             K, chunk, float(clamp or 0.0), clamp is not None, variant,
                              torch.cuda.current_stream(dev).cuda_stream, dev.index)
     return pre_act, act, act_scales
