@@ -72,7 +72,7 @@ def supports_config(cfg, device: torch.device) -> bool:
 
 
 @dataclass
-class ExpertState:
+class TritonExpertState:
     pool_x: torch.Tensor  # L1 input rows as stored
     pool_x_scales: torch.Tensor | None
     row_weights: torch.Tensor  # fp32 [P]
@@ -82,14 +82,14 @@ class ExpertState:
 
 
 @dataclass
-class PoolInputs:
+class TritonPoolInputs:
     x: torch.Tensor
     x_scales: torch.Tensor | None
     row_weights: torch.Tensor
 
 
 @dataclass
-class PoolGrad:
+class TritonPoolGrad:
     """dY's pool rows: as pulled (compute dtype; the W2 wgrad reads them), and with an fp8 dgrad
     also quantized in the same pass (e4m3 + 1x128 scales; the L2 dgrad reads them)."""
     rows: torch.Tensor
@@ -302,7 +302,7 @@ class TritonExecutor:
         K_.pull_expand(buf.peer_base_ptrs, region, pool, plan)
         return pool
 
-    def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> PoolInputs:
+    def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> TritonPoolInputs:
         # one pass per received row: x, its scales (fp8) and its slots' topk weights
         cfg, recipe, regions = buf.config, buf.config.precision, buf.layout.regions
         P, dev = plan.pool_rows, buf.device
@@ -312,14 +312,14 @@ class TritonExecutor:
         K_.pull_expand(buf.peer_base_ptrs, regions["x"], x, plan,
                        scales_region=regions["x_scales"] if recipe.quantized else None, scales_pool=x_scales,
                        weights_region=regions["topk_weights"], row_weights=row_weights)
-        return PoolInputs(x, x_scales, row_weights)
+        return TritonPoolInputs(x, x_scales, row_weights)
 
-    def pull_grad(self, buf: SymmBuffer, plan: Plan) -> PoolGrad:
+    def pull_grad(self, buf: SymmBuffer, plan: Plan) -> TritonPoolGrad:
         cfg = buf.config
         if not cfg.precision.quantized_dgrad:
-            return PoolGrad(self._pull(buf, "grad_y", plan, cfg.dtype))
+            return TritonPoolGrad(self._pull(buf, "grad_y", plan, cfg.dtype))
         P, H, dev = plan.pool_rows, cfg.hidden, buf.device
-        grad = PoolGrad(torch.empty(P, H, dtype=cfg.dtype, device=dev), torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
+        grad = TritonPoolGrad(torch.empty(P, H, dtype=cfg.dtype, device=dev), torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
                         torch.empty(P, H // 128, dtype=torch.float32, device=dev))
         K_.pull_expand(buf.peer_base_ptrs, buf.layout.regions["grad_y"], grad.rows, plan, quant_pool=grad.q,
                        quant_scales=grad.q_scales)
@@ -335,7 +335,7 @@ class TritonExecutor:
 
     # --------------------------------------------------------------------- expert MLP
 
-    def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: PoolInputs):
+    def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: TritonPoolInputs):
         recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         act = torch.empty(P, I, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
@@ -347,7 +347,7 @@ class TritonExecutor:
                                                 act_scales)
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
             cutlass_gemm.fp8_expert_gemm(act, act_scales, weights.w2, weights.w2_scales, plan.expert_ends, out)
-            return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
+            return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, align)
@@ -359,9 +359,9 @@ class TritonExecutor:
             _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, align)
         else:
             out = _bf16_grouped_gemm(act, weights.w2, plan, transposed=False)
-        return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
+        return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: PoolGrad,
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: TritonExpertState, pool_grad: TritonPoolGrad,
                          wgrad_targets=None):
         """pool_grad: pull_grad's; without its quantized rows (q None) an fp8 dgrad quantizes them here."""
         recipe, align = cfg.precision, self.row_align(cfg)
