@@ -1,10 +1,12 @@
 """The executors of the one protocol (protocol.py), by name: mega_moe(backend=...) picks one
 here and runs protocol.forward / protocol.backward with it. What an executor does at each step
-is backends/executor.py's contract."""
+is backends/executor.py's contract. This package also supplies core code with the fp8
+weight-prep kernels (weights.supply_weight_kernels), so that no core module imports a backend."""
 
 from __future__ import annotations
 
 from ..precision import GPU_EXECUTOR_RECIPES
+from ..weights import supply_weight_kernels
 from .executor import Executor
 from .reference import ReferenceExecutor
 
@@ -19,6 +21,16 @@ def _triton_executor() -> Executor:
 
         BACKENDS["triton"] = TritonExecutor()
     return BACKENDS["triton"]
+
+
+def _weight_prep_kernels():
+    """The fp8 weight-prep kernels (imported on first use: they need triton)."""
+    from . import triton_weight_prep
+
+    return triton_weight_prep
+
+
+supply_weight_kernels(_weight_prep_kernels)
 
 
 def triton_supported(buffer) -> bool:
