@@ -1,7 +1,7 @@
 """The executors of the one protocol (protocol.py), by name: mega_moe(backend=...) picks one
 here and runs protocol.forward / protocol.backward with it. What an executor does at each step
-is backends/executor.py's contract. This package also supplies core code with the fp8
-weight-prep kernels (weights.supply_weight_kernels), so that no core module imports a backend."""
+is backends/executor.py's contract. This package also hands weights.py (which every executor
+reads) the fp8 weight-prep kernels, weights.supply_weight_kernels, so that it imports no backend."""
 
 from __future__ import annotations
 
