@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backends import Backend, resolve_backend
+from . import protocol
+from .backends import resolve_backend
 from .main_grad import overwrite_done, placeholder_grad, wgrad_targets
 from .symm_buffer import SymmBuffer
 from .validation import check_inputs
@@ -20,10 +21,11 @@ def _leave(buffer: SymmBuffer, where: str, err: BaseException):
 
 
 class MegaMoEFunction(torch.autograd.Function):
-    """Forward and backward each run one pass of the backend's protocol over the buffer."""
+    """Forward and backward each run one pass of the protocol (protocol.py) over the buffer, with
+    the executor that mega_moe picked."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, backend, recv_stats, layer_id,
+    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, executor, recv_stats, layer_id,
                 fuse_wgrad_accumulation, prepared_weights):
         try:
             weights = prepared_weights if prepared_weights is not None else transform_weights(w1, w2, buffer.config)
@@ -31,8 +33,9 @@ class MegaMoEFunction(torch.autograd.Function):
             _leave(buffer, "the weight transform", err)
             raise
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
-        y, saved = backend.forward(buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id)
-        ctx.buffer, ctx.backend, ctx.saved, ctx.weights, ctx.shared = buffer, backend, saved, weights, shared
+        y, saved = protocol.forward(executor, buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared,
+                                    recv_stats, None, layer_id)
+        ctx.buffer, ctx.executor, ctx.saved, ctx.weights, ctx.shared = buffer, executor, saved, weights, shared
         ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
         ctx.fused_weights = (w1, w2) if fuse_wgrad_accumulation else None
         ctx.mark_non_differentiable(topk_idx)
@@ -48,8 +51,8 @@ class MegaMoEFunction(torch.autograd.Function):
         except BaseException as err:
             _leave(buffer, "the backward's preparation", err)
             raise
-        grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = ctx.backend.backward(
-            buffer, ctx.saved, grad_y, ctx.weights, ctx.shared, wgrad_targets=targets,
+        grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = protocol.backward(
+            ctx.executor, buffer, ctx.saved, grad_y, ctx.weights, ctx.shared, wgrad_targets=targets,
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
         ctx.saved = ctx.fused_weights = None
@@ -113,13 +116,14 @@ def mega_moe(
     call transforms w1 and w2 through the cache of `transform_weights`.
     """
     buffer.check_usable()  # first: after a device barrier's trap this names the rank and call, not a CUDA error
-    be: Backend = resolve_backend(backend, buffer)
+    executor = resolve_backend(backend, buffer)
     problem = check_inputs(
-        buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids=not be.checks_ids_on_device,
-        fuse_wgrad_accumulation=fuse_wgrad_accumulation, prepared_weights=prepared_weights,
+        buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats,
+        check_ids=not executor.checks_ids_on_device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        prepared_weights=prepared_weights,
     )
     if problem is not None:  # still take part in the status exchange so peers fail too
-        be.forward(buffer, None, None, None, None, None, None, problem, layer_id)
-    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, be, recv_stats, layer_id,
-                                 fuse_wgrad_accumulation, prepared_weights)
+        protocol.forward(executor, buffer, None, None, None, None, None, None, problem, layer_id)
+    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, executor, recv_stats,
+                                 layer_id, fuse_wgrad_accumulation, prepared_weights)
 

@@ -1,4 +1,5 @@
-"""The MegaMoE protocol, written once; an executor supplies the row movement and expert math.
+"""The MegaMoE protocol, written once; an executor supplies the row movement and expert math
+(backends/executor.py: what each step asks of it).
 
 Forward, on every rank r of R (all ranks call together; see docs/protocol.md):
   1. publish: x (stored per recipe), topk ids (out-of-range ids masked to -1) and topk
@@ -36,10 +37,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from .backends.executor import Executor, ExpertState
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .faults import STATUS_BAD, STATUS_OK, describe_word
 from .plan import Plan
@@ -69,7 +70,7 @@ class SavedForward:
     own_mask: torch.Tensor  # bool [T, K]: slots of this rank's tokens that carried rows
     partial_mask: torch.Tensor  # bool [T, R]: owners that pushed a partial row per token
     plan: Plan
-    experts: Any  # the executor's saved expert-MLP state
+    experts: ExpertState  # the executor's saved expert-MLP state (its own type)
     x: torch.Tensor | None  # this rank's input, kept for the shared experts
     shared_pre_act: torch.Tensor | None
 
@@ -77,7 +78,7 @@ class SavedForward:
 # ----------------------------------------------------------------------------- status
 
 
-def _sync_checks(buf: SymmBuffer, executor) -> bool:
+def _sync_checks(buf: SymmBuffer, executor: Executor) -> bool:
     if buf.device.type != "cuda" or executor.reads_device_on_host:
         return True
     return os.environ.get("MEGAMOE_SYNC_CHECKS", "0") not in ("", "0")
@@ -124,7 +125,7 @@ def _raise_deferred(buf: SymmBuffer):
             raise
 
 
-def _publish(executor, buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
+def _publish(executor: Executor, buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:
     """Write this rank's inputs into its buffer; returns its verdict (int32 scalar, on the device)."""
     cfg = buf.config
     mine = buf.regions()
@@ -157,7 +158,7 @@ def _guarded(step):
     """Run a protocol step; an exception other than those every rank raises at the same point
     marks the buffer failed, so peers raise at their next barrier instead of pairing it wrongly."""
 
-    def run(executor, buf: SymmBuffer, *args, **kwargs):
+    def run(executor: Executor, buf: SymmBuffer, *args, **kwargs):
         buf.check_usable()
         if buf.device.type == "cuda":
             buf.session.follow_previous_call(torch.cuda.current_stream(buf.device))
@@ -206,8 +207,8 @@ def _join_shared(buf: SymmBuffer):
 
 
 @_guarded
-def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats, problem,
-            layer_id: int = 0):
+def forward(executor: Executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats,
+            problem, layer_id: int = 0):
     """One forward call. Returns (y [T, H] in config.dtype, SavedForward). With `problem` (this
     rank's input is bad, x etc. are None) it takes part in the exchange and raises. layer_id
     names the caller in the status word (layers sharing a buffer must differ)."""
@@ -267,8 +268,8 @@ def forward(executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: Exper
 
 
 @_guarded
-def backward(executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights, shared,
-             wgrad_targets=None):
+def backward(executor: Executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights,
+             shared, wgrad_targets=None):
     """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2);
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]. With
     wgrad_targets (w1's, w2's main_grad.WgradTarget: tensors of the weights' shapes) the expert

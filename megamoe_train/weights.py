@@ -12,15 +12,17 @@ pass, so no interleave is needed) and read the parameter's own storage when its 
 compute dtype: no copy per weight update at all.
 
 fp8 also keeps the operands of an FP8 dgrad GEMM: each weight quantized in master order and
-transposed (w1_t, w2_t). For CUDA tensors one Triton kernel per weight
-(backends/triton_weight_prep.py) reads the master weight once and writes both layouts with
-their scales; elsewhere, and as its oracle, the torch ops of quant.py do, with the same bits.
+transposed (w1_t, w2_t). For CUDA tensors one Triton kernel per weight reads the master weight
+once and writes both layouts with their scales; elsewhere, and as its oracle, the torch ops of
+quant.py do, with the same bits. The kernels are a backend's (backends/triton_weight_prep.py):
+the backends package supplies them here (supply_weight_kernels), so this module imports none.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -125,20 +127,48 @@ def _kernels_handle(recipe: PrecisionRecipe) -> bool:
     return recipe.weight_format == "e4m3" and recipe.scale_format == "fp32"
 
 
-def _prep_kernels(device: torch.device, use_kernel: bool | None):
-    """The Triton weight-prep module if it should run: None = for CUDA tensors where triton is
-    installed and the GPU has e4m3; True = always (CPU tensors need TRITON_INTERPRET=1);
+class WeightKernels(Protocol):
+    """The fp8 weight-prep kernels that a backend supplies (backends/triton_weight_prep.py, a
+    module): bit for bit quant.py's torch ops and the gate/up (de)interleave."""
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def master_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]: ...
+
+    def quantize_blocks(self, w: torch.Tensor, block: tuple[int, int],
+                        chunk: int | None = None) -> tuple[torch.Tensor, ...]: ...
+
+    def dequantize_blocks(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: tuple[int, int],
+                          chunk: int | None = None) -> torch.Tensor: ...
+
+
+_load_kernels: Callable[[], WeightKernels] | None = None
+
+
+def supply_weight_kernels(load: Callable[[], WeightKernels] | None) -> None:
+    """How to get the weight-prep kernels: load() returns them, or raises ImportError where they
+    cannot be loaded (no triton). The backends package calls this when it is imported, which
+    importing megamoe_train always does; until then every path runs the torch ops."""
+    global _load_kernels
+    _load_kernels = load
+
+
+def _prep_kernels(device: torch.device, use_kernel: bool | None) -> WeightKernels | None:
+    """The supplied weight-prep kernels if they should run: None = for CUDA tensors where they
+    load and the GPU has e4m3; True = always (CPU tensors need TRITON_INTERPRET=1);
     False = never (the torch ops)."""
     if use_kernel is False:
         return None
     try:
-        from .backends import triton_weight_prep
+        if _load_kernels is None:
+            raise ImportError("no backend supplied the weight-prep kernels (megamoe_train.backends does)")
+        kernels = _load_kernels()
     except ImportError:
         if use_kernel:
             raise
         return None
-    if use_kernel or (device.type == "cuda" and triton_weight_prep.supports(device)):
-        return triton_weight_prep
+    if use_kernel or (device.type == "cuda" and kernels.supports(device)):
+        return kernels
     return None
 
 

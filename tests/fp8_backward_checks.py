@@ -21,9 +21,8 @@ import triton.language as tl
 
 from megamoe_train import MegaMoEConfig
 from megamoe_train.backends import triton_kernels as K_
-from megamoe_train.backends.reference import PoolInputs as RefPoolInputs
-from megamoe_train.backends.reference import ReferenceExecutor
-from megamoe_train.backends.triton_backend import PoolGrad, PoolInputs, TritonExecutor
+from megamoe_train.backends.reference import ReferenceExecutor, ReferencePoolInputs
+from megamoe_train.backends.triton_backend import TritonExecutor, TritonPoolGrad, TritonPoolInputs
 from megamoe_train.expert_math import shared_backward, shared_forward, swiglu, swiglu_backward
 from megamoe_train.plan import build_plan
 from megamoe_train.precision import RECIPES
@@ -293,14 +292,14 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
     pool_x, pool_s, row_w, pool_grad = (t.to(device) for t in (pool_x, pool_s, row_w, pool_grad))
 
     tri, ref = TritonExecutor(), ReferenceExecutor()
-    _, tri_state = tri.experts_forward(cfg, weights, plan, PoolInputs(pool_x, pool_s, row_w))
-    _, ref_state = ref.experts_forward(cfg, weights, plan, RefPoolInputs(pool_x, pool_s, row_w))
+    _, tri_state = tri.experts_forward(cfg, weights, plan, TritonPoolInputs(pool_x, pool_s, row_w))
+    _, ref_state = ref.experts_forward(cfg, weights, plan, ReferencePoolInputs(pool_x, pool_s, row_w))
 
     def no_compute_copies(dtype):
         raise AssertionError("the fp8 backward read the bf16 compute copies")
 
     weights.compute_copies = no_compute_copies  # this object only (instance attribute)
-    got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, PoolGrad(pool_grad))]
+    got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, TritonPoolGrad(pool_grad))]
 
     def oracle(**formats):
         """The reference backward under the fp8 recipe with these gradient formats (registered for this call only)."""

@@ -1,7 +1,9 @@
 """The package layering, read from the source (ast) of every module, imports inside functions
 included: the core `megamoe_train` imports neither the Megatron adapter `megatron_patch` nor the
-trainer `megamoe_trainer`; the adapter does not import the trainer; and no modules of the three
-import each other in a circle (a package's __init__ counts as the modules it imports)."""
+trainer `megamoe_trainer`; the adapter does not import the trainer; inside `megamoe_train` a
+module imports nothing of a higher layer (core -> backends -> kernels -> base, below); and no
+modules of the three import each other in a circle (a package's __init__ counts as the modules
+it imports, and importing a package's submodule from outside it imports its __init__ too)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,16 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("megamoe_train", "megatron_patch", "megamoe_trainer")
+
+# The layers of megamoe_train, from the top. core takes the call and runs the protocol, picking an
+# executor by name; backends are the executors (the contract, the two implementations, their
+# registry); kernels are the Triton and CUTLASS code that an executor launches; base is what all
+# of them share (config, recipes, quantization, the plan, the expert weights, the buffer). Every
+# module of megamoe_train not named here is base.
+CORE = {"megamoe_train", "megamoe_train.demo", "megamoe_train.layer", "megamoe_train.graphs", "megamoe_train.autograd",
+        "megamoe_train.protocol"}
+KERNELS = {f"megamoe_train.backends.{m}" for m in ("triton_kernels", "triton_plan", "triton_weight_prep", "cutlass_gemm")}
+LAYERS = ("base", "kernels", "backends", "core")  # bottom up
 
 
 def _modules() -> dict[str, str]:
@@ -68,6 +80,11 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
                 t = t.rpartition(".")[0]
             if t and t.split(".")[0] in PACKAGES:
                 found.add(t)
+                # importing a.b.c from outside a.b runs a.b's __init__ first (and a's)
+                parent = t.rpartition(".")[0]
+                while parent and not (name == parent or name.startswith(parent + ".")):
+                    found.add(parent)
+                    parent = parent.rpartition(".")[0]
     found.discard(name)
     return found
 
@@ -87,6 +104,28 @@ def test_adapter_does_not_import_trainer():
     bad = {m: sorted(i for i in deps if i.split(".")[0] == "megamoe_trainer")
            for m, deps in _graph().items() if m.split(".")[0] == "megatron_patch"}
     assert not {m: d for m, d in bad.items() if d}
+
+
+def _layer(module: str) -> str:
+    if module in CORE:
+        return "core"
+    if module.startswith("megamoe_train.backends"):
+        return "kernels" if module in KERNELS else "backends"
+    return "base"
+
+
+def test_core_layers_import_only_downwards():
+    """core -> backends -> kernels -> base: e.g. no base module (weights.py, say) imports an
+    executor or a kernel; what it needs of one, the backend supplies (weights.supply_weight_kernels)."""
+    modules = _modules()
+    assert CORE | KERNELS <= set(modules), "a layer names a module that is gone"
+    up = {}
+    for m, deps in _graph().items():
+        if m.split(".")[0] == "megamoe_train":
+            above = sorted(d for d in deps if LAYERS.index(_layer(d)) > LAYERS.index(_layer(m)))
+            if above:
+                up[f"{m} ({_layer(m)})"] = [f"{d} ({_layer(d)})" for d in above]
+    assert not up
 
 
 def test_no_import_circles():
@@ -130,3 +169,7 @@ def test_the_rules_see_imports():
     assert "megamoe_trainer.model" in graph["megamoe_trainer.recipe"]  # inside a function
     assert "megamoe_train.launch" in graph["megamoe_trainer.cli"]  # inside a function
     assert "megatron_patch" in graph["megamoe_trainer.model"] or "megatron_patch.spec" in graph["megamoe_trainer.model"]
+    assert "megamoe_train.backends.triton_backend" in graph["megamoe_train.backends"]  # inside a function
+    assert "megamoe_train.weights" in graph["megamoe_train.backends.reference"]  # a relative import, two levels
+    assert "megamoe_train" in graph["megamoe_trainer.report"]  # the package's __init__ runs first
+    assert "megamoe_train.backends" in graph["megamoe_train.protocol"]  # likewise, inside the package

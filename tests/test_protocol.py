@@ -10,7 +10,6 @@ import torch
 from dense_moe import dense_moe
 from megamoe_train import MegaMoEConfig, get_symm_buffer
 from megamoe_train.autograd import MegaMoEFunction
-from megamoe_train.backends import _backend
 from megamoe_train.backends.reference import ReferenceExecutor
 from megamoe_train.session import BufferSession
 from test_mega_moe_dist import BASE, make_problem, rel_err
@@ -47,10 +46,9 @@ def row_traffic(rank, world, routing):
     mine = slice(rank * E_l, (rank + 1) * E_l)
     buf = get_symm_buffer(None, cfg, timeout_s=20)
     executor = CountingExecutor()
-    backend = _backend(executor)
     x = prob["x"][rank].clone().requires_grad_()
     w1, w2 = prob["w1"][mine].clone().requires_grad_(), prob["w2"][mine].clone().requires_grad_()
-    y = MegaMoEFunction.apply(x, prob["idx"][rank], prob["w"][rank], w1, w2, prob["sw1"], prob["sw2"], buf, backend, None, 0,
+    y = MegaMoEFunction.apply(x, prob["idx"][rank], prob["w"][rank], w1, w2, prob["sw1"], prob["sw2"], buf, executor, None, 0,
                               False, None)
     expected = pairs_per_source(prob["idx"], rank, E_l)
     assert executor.reads["x"] == expected  # one row per (token, this owner), from each source

@@ -1,41 +1,36 @@
-"""Executors of the one protocol (protocol.py), by name. Each Backend's forward / backward is
-the protocol run with that executor's row movement and expert math."""
+"""The executors of the one protocol (protocol.py), by name: mega_moe(backend=...) picks one
+here and runs protocol.forward / protocol.backward with it. What an executor does at each step
+is backends/executor.py's contract. This package also hands weights.py (which every executor
+reads) the fp8 weight-prep kernels, weights.supply_weight_kernels, so that it imports no backend."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
-from typing import Callable
-
-from .. import protocol
 from ..precision import GPU_EXECUTOR_RECIPES
+from ..weights import supply_weight_kernels
+from .executor import Executor
 from .reference import ReferenceExecutor
 
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    forward: Callable
-    backward: Callable
-    checks_ids_on_device: bool = False  # False: ids are range-checked on the host before the call
-
-
-def _backend(executor) -> Backend:
-    return Backend(executor.name, partial(protocol.forward, executor), partial(protocol.backward, executor),
-                   executor.checks_ids_on_device)
-
-
-BACKENDS = {"reference": _backend(ReferenceExecutor())}
+BACKENDS: dict[str, Executor] = {"reference": ReferenceExecutor()}
 NAMES = ("reference", "triton")
 
 
-def _triton_backend() -> Backend:
+def _triton_executor() -> Executor:
     """The GPU executor (imported on first use: it needs triton and CUDA)."""
     if "triton" not in BACKENDS:
         from .triton_backend import TritonExecutor
 
-        BACKENDS["triton"] = _backend(TritonExecutor())
+        BACKENDS["triton"] = TritonExecutor()
     return BACKENDS["triton"]
+
+
+def _weight_prep_kernels():
+    """The fp8 weight-prep kernels (imported on first use: they need triton)."""
+    from . import triton_weight_prep
+
+    return triton_weight_prep
+
+
+supply_weight_kernels(_weight_prep_kernels)
 
 
 def triton_supported(buffer) -> bool:
@@ -53,18 +48,18 @@ def gpu_executor_supports(config, device) -> bool:
     return supports_config(config, device)
 
 
-def resolve_backend(name: str, buffer) -> Backend:
+def resolve_backend(name: str, buffer) -> Executor:
     """'auto' picks the Triton GPU executor where it supports the buffer (sm90+, the recipes of
     precision.GPU_EXECUTOR_RECIPES), else the reference, which runs anywhere."""
     if name == "auto":
-        return _triton_backend() if triton_supported(buffer) else BACKENDS["reference"]
+        return _triton_executor() if triton_supported(buffer) else BACKENDS["reference"]
     if name == "triton":
         if not triton_supported(buffer):
             raise ValueError(
                 f"backend: 'triton' needs a CUDA sm90+ buffer with a recipe of {GPU_EXECUTOR_RECIPES}, dtype bf16, hidden and "
                 f"intermediate multiples of 128 and block_m 64 or 128; got {buffer.config.recipe!r} on {buffer.device}"
             )
-        return _triton_backend()
+        return _triton_executor()
     try:
         return BACKENDS[name]
     except KeyError:

@@ -40,15 +40,15 @@ from ..weights import ExpertWeights, deinterleave_gate_up
 
 
 @dataclass
-class PoolInputs:
+class ReferencePoolInputs:
     x: torch.Tensor  # [P, H] L1 input rows as stored (recipe format)
     x_scales: torch.Tensor | None
     row_weights: torch.Tensor  # float32 [P]: topk weight of each pool row (0 for padding)
 
 
 @dataclass
-class ExpertState:
-    pool: PoolInputs
+class ReferenceExpertState:
+    pool: ReferencePoolInputs
     pre_act: torch.Tensor  # float32 [P, 2I], interleaved
 
 
@@ -149,12 +149,12 @@ class ReferenceExecutor:
                 pool[dest[here]] = fetched[here]
         return pool
 
-    def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> PoolInputs:
+    def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> ReferencePoolInputs:
         x = self._pull_expand(buf, "x", plan)
         x_scales = self._pull_expand(buf, "x_scales", plan) if buf.config.precision.quantized else None
         topk_weights = self._pull_expand(buf, "topk_weights", plan)  # [P, K]: the token's whole row
         row_weights = topk_weights.gather(1, plan.row_slot.long().clamp(min=0)[:, None]).squeeze(1)
-        return PoolInputs(x, x_scales, row_weights)
+        return ReferencePoolInputs(x, x_scales, row_weights)
 
     def pull_grad(self, buf: SymmBuffer, plan: Plan) -> torch.Tensor:
         return self._pull_expand(buf, "grad_y", plan)
@@ -199,7 +199,7 @@ class ReferenceExecutor:
 
     # --------------------------------------------------------------------- expert MLP
 
-    def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: PoolInputs):
+    def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: ReferencePoolInputs):
         """L1 -> clamp, SwiGLU, topk weight -> stored L2 input -> L2; rows in config.dtype."""
         recipe = cfg.precision
         w1, w2 = weights.dequantize_w1(), weights.dequantize_w2()
@@ -213,9 +213,9 @@ class ReferenceExecutor:
             a = swiglu(h, weights.chunk, cfg.activation_clamp) * pool.row_weights[rows, None]
             a_in = dequantize_act(*store_act(a, recipe, cfg.dtype), recipe)  # the L2 input as stored
             out_rows[rows] = (a_in @ w2[e].t()).to(cfg.dtype)
-        return out_rows, ExpertState(pool, pre_act)
+        return out_rows, ReferenceExpertState(pool, pre_act)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: torch.Tensor,
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ReferenceExpertState, pool_grad: torch.Tensor,
                          wgrad_targets=None):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
         on the dequantized weights; fc1 and dH in master order [gate; up]. With wgrad_targets

@@ -16,8 +16,9 @@
   the fp32 accumulators in its epilogue, or writing over those flagged overwrite_main_grad:
   main_grad.py), except with recipe fp8_e4m3_wgrad: dY, dH and the stored activations each quantized
   along the pool rows in 128-row blocks by quantize_tokens_t, transposed, into the CUTLASS
-  K-grouped fp8 GEMM (each expert padded to 128 pool rows so no block spans two; measured slower
-  than bf16, NOTES.md); with bf16 every backward GEMM is bf16;
+  K-grouped fp8 GEMM (each expert padded to 128 pool rows so no block spans two; slower than bf16
+  as measured 2026-11-30: S1 forward+backward 17.73 against 14.61 ms, the tile's fixed costs and
+  per-step promotion dominate at 2-4 K steps); with bf16 every backward GEMM is bf16;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
@@ -54,7 +55,7 @@ WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which m
 _FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
 # Non-fused bf16 wgrads: "torch" (K-grouped torch._grouped_mm) or "cutlass" (our store kernel,
 # cutlass_gemm.bf16_wgrad_grouped_gemm); torch by default: ours was within noise of it in the
-# layer (NOTES.md).
+# layer (S1 fp8 forward+backward 13.688 against 13.652 ms).
 _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 # The fp8 forward's expert GEMMs: "fused" (our persistent kernels, csrc/cuda/expert_gemm.h: L1 with
 # SwiGLU and the requantization in its epilogue, then L2) or "split" (the CUTLASS grouped GEMMs
@@ -72,7 +73,7 @@ def supports_config(cfg, device: torch.device) -> bool:
 
 
 @dataclass
-class ExpertState:
+class TritonExpertState:
     pool_x: torch.Tensor  # L1 input rows as stored
     pool_x_scales: torch.Tensor | None
     row_weights: torch.Tensor  # fp32 [P]
@@ -82,14 +83,14 @@ class ExpertState:
 
 
 @dataclass
-class PoolInputs:
+class TritonPoolInputs:
     x: torch.Tensor
     x_scales: torch.Tensor | None
     row_weights: torch.Tensor
 
 
 @dataclass
-class PoolGrad:
+class TritonPoolGrad:
     """dY's pool rows: as pulled (compute dtype; the W2 wgrad reads them), and with an fp8 dgrad
     also quantized in the same pass (e4m3 + 1x128 scales; the L2 dgrad reads them)."""
     rows: torch.Tensor
@@ -107,7 +108,8 @@ def _bf16_grouped_gemm(a, w, plan: Plan, transposed: bool):
     """out[rows of expert e] = a[rows] @ w[e]^T (transposed=False: w [E, N, K], the forward) or
     a[rows] @ w[e] (transposed=True: w [E, K, N], the dgrad), bf16 with fp32 accumulation: our
     CUTLASS kernel where built (it reads w in either layout by TMA, and beats torch's grouped GEMM
-    where torch pairs an expert's M tiles: NOTES.md), else torch's."""
+    where torch's 2x1 clusters pair an expert's M tiles and an odd tile count leaves a CTA idle),
+    else torch's."""
     if a.is_contiguous() and w.is_contiguous() and cutlass_gemm.takes(a, w):
         out = torch.empty(a.shape[0], w.shape[2] if transposed else w.shape[1], dtype=a.dtype, device=a.device)
         return cutlass_gemm.bf16_grouped_gemm(a, w, plan.expert_ends, out, "kn" if transposed else "nk")
@@ -227,7 +229,7 @@ class TritonExecutor:
         # GEMM's tiles block_m rows of one expert. The CUTLASS GEMMs (fp8 and bf16) and torch's
         # take any group ends (per-group TMA bounds), so their experts are padded only to 16 rows
         # (16-byte aligned row starts at every width): at S1 the 128-row padding added ~14% rows
-        # for the memory-bound kernels to move (NOTES.md).
+        # for the memory-bound kernels to move (and the K of the K-grouped wgrads).
         if cfg.precision.quantized_wgrad:
             return max(cfg.block_m, WGRAD_BLOCK)
         if cfg.precision.quantized and not _cutlass_fp8(torch.device("cuda")):
@@ -240,7 +242,7 @@ class TritonExecutor:
         """The shared experts' MLP: bf16 GEMMs (fp32 accumulation) around the routed experts'
         SwiGLU kernel (fp32 math, one pass). The plain torch SwiGLU (expert_math) makes about
         ten fp32 passes over [T, 2I]: ~4.5 ms of casts and multiplies per DeepSeek-V3-proxy
-        step (NOTES.md, session 25). Returns (out, pre-activation), as expert_math.shared_forward."""
+        step (profiled 2026-11-30). Returns (out, pre-activation), as expert_math.shared_forward."""
         width, dt = w2.shape[1], x.dtype
         if not _swiglu_kernel_takes(x, width):
             return shared_forward(x, w1, w2, clamp, dt)
@@ -302,7 +304,7 @@ class TritonExecutor:
         K_.pull_expand(buf.peer_base_ptrs, region, pool, plan)
         return pool
 
-    def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> PoolInputs:
+    def pull_inputs(self, buf: SymmBuffer, plan: Plan) -> TritonPoolInputs:
         # one pass per received row: x, its scales (fp8) and its slots' topk weights
         cfg, recipe, regions = buf.config, buf.config.precision, buf.layout.regions
         P, dev = plan.pool_rows, buf.device
@@ -312,14 +314,14 @@ class TritonExecutor:
         K_.pull_expand(buf.peer_base_ptrs, regions["x"], x, plan,
                        scales_region=regions["x_scales"] if recipe.quantized else None, scales_pool=x_scales,
                        weights_region=regions["topk_weights"], row_weights=row_weights)
-        return PoolInputs(x, x_scales, row_weights)
+        return TritonPoolInputs(x, x_scales, row_weights)
 
-    def pull_grad(self, buf: SymmBuffer, plan: Plan) -> PoolGrad:
+    def pull_grad(self, buf: SymmBuffer, plan: Plan) -> TritonPoolGrad:
         cfg = buf.config
         if not cfg.precision.quantized_dgrad:
-            return PoolGrad(self._pull(buf, "grad_y", plan, cfg.dtype))
+            return TritonPoolGrad(self._pull(buf, "grad_y", plan, cfg.dtype))
         P, H, dev = plan.pool_rows, cfg.hidden, buf.device
-        grad = PoolGrad(torch.empty(P, H, dtype=cfg.dtype, device=dev), torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
+        grad = TritonPoolGrad(torch.empty(P, H, dtype=cfg.dtype, device=dev), torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
                         torch.empty(P, H // 128, dtype=torch.float32, device=dev))
         K_.pull_expand(buf.peer_base_ptrs, buf.layout.regions["grad_y"], grad.rows, plan, quant_pool=grad.q,
                        quant_scales=grad.q_scales)
@@ -335,7 +337,7 @@ class TritonExecutor:
 
     # --------------------------------------------------------------------- expert MLP
 
-    def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: PoolInputs):
+    def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: TritonPoolInputs):
         recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         act = torch.empty(P, I, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
@@ -347,7 +349,7 @@ class TritonExecutor:
                                                 act_scales)
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
             cutlass_gemm.fp8_expert_gemm(act, act_scales, weights.w2, weights.w2_scales, plan.expert_ends, out)
-            return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
+            return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, align)
@@ -359,9 +361,9 @@ class TritonExecutor:
             _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, align)
         else:
             out = _bf16_grouped_gemm(act, weights.w2, plan, transposed=False)
-        return out, ExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
+        return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ExpertState, pool_grad: PoolGrad,
+    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: TritonExpertState, pool_grad: TritonPoolGrad,
                          wgrad_targets=None):
         """pool_grad: pull_grad's; without its quantized rows (q None) an fp8 dgrad quantizes them here."""
         recipe, align = cfg.precision, self.row_align(cfg)
