@@ -46,7 +46,7 @@ def _barrier_rank(rank, memories, records, waits, steps, results):
                 time.sleep(step[1])
             elif step[0] == "zero_wait":
                 waits[rank].zero_()
-            elif step[0] == "mark_failed":  # what _CudaSymmetricPeers.mark_failed writes, per rank
+            elif step[0] == "mark_failed":  # what CudaSymmetricPeers.mark_failed writes, per rank
                 for memory in memories:
                     memory[rank * device_barrier.WORDS + device_barrier.FAILED] = step[1] + 1
             elif step[0] == "barrier":

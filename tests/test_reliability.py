@@ -281,11 +281,11 @@ def creation_with_a_rank_that_dies(rank, world):
     """Rank 1 dies right after writing its file; rank 0 times out and removes both files."""
     import os
 
-    from megamoe_train import symm_buffer
+    from megamoe_train.transport import shared_memory
 
     cfg = MegaMoEConfig(**BASE)
     if rank == 1:
-        symm_buffer._SharedMemoryPeers._map_all = lambda self, paths: os._exit(3)
+        shared_memory.SharedMemoryPeers._map_all = lambda self, paths: os._exit(3)
     with pytest.raises(RuntimeError, match="rank 1 did not reach"):
         get_symm_buffer(None, cfg, timeout_s=SHORT_TIMEOUT_S)
     return True
@@ -302,13 +302,13 @@ def test_rank_dying_at_creation_leaves_no_shm_file():
 
 
 # ----------------------------------------------------------------------------- CUDA creation agreement
-# The CUDA transport compares configs through the job's c10d store (symm_buffer._agree_description);
+# The CUDA transport compares configs through the job's c10d store (cuda_symmetric._agree_description);
 # it never touches a device, so gloo ranks test it here.
 
 
 def agree(rank, world, descriptions, late=None, timeout_s=SHORT_TIMEOUT_S):
     from megamoe_train import MegaMoEPeerError
-    from megamoe_train.symm_buffer import _agree_description
+    from megamoe_train.transport.cuda_symmetric import _agree_description
 
     group = torch.distributed.group.WORLD
     outcomes = []
