@@ -176,8 +176,8 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
     from megatron_patch.grad_buffers import overwrites_expert_main_grads
 
     from .flops import train_flops_per_token
-    from .fused_optimizer import writes_model_params
     from .model import count_params
+    from .perf import describe as describe_perf
 
     total, expert = count_params(model)
     expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
@@ -187,9 +187,7 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
     shared = f", shared {moe.shared_expert_ffn_hidden_size}" if moe.shared_expert_ffn_hidden_size else ""
-    adam = ""
-    if writes_model_params(optimizer):
-        adam = f"AdamW kernel writes the bf16 params{' (moments in bf16)' if recipe.train.adam_moments_dtype == 'bf16' else ''} | "
+    adam = describe_perf(optimizer, recipe.train.adam_moments_dtype)
     graphs = False  # what the MoE layers will decide at their first call (megatron_patch.cuda_graphs_enabled)
     if moe.megamoe_recipe and dev.type == "cuda":
         from megatron_patch import cuda_graphs_enabled, megamoe_config
@@ -203,7 +201,7 @@ def _describe(recipe: Recipe, world: int, device: str, model, optimizer, dev: to
             f"{', CUDA graphs' if graphs else ''}) | "
             f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
             f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
-            f"attention {m.attention} | "
+            f"attention {recipe.perf.attention} | "
             f"{adam}"
             f"{'expert main_grads written over, not zeroed | ' if overwrites_expert_main_grads(model) else ''}"
             f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
@@ -217,14 +215,12 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     from . import checkpoint as ckpt
     from .data import build_corpus
     from .flops import mfu
-    from .fused_optimizer import use_fused_adam
-    from .host_gc import HostGC
+    from . import perf
     from .model import build_model
     from .profiling import StepProfiler
-    from .recipe import _build
     from .report import ProgressReport
 
-    recipe: Recipe = _build(Recipe, recipe_dict, "")
+    recipe = Recipe.from_dict(recipe_dict)
     device = "cuda" if runs_on_cuda(recipe) else "cpu"
     _init_parallel(recipe, device)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -242,8 +238,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     latest = ckpt.latest_checkpoint(run_dir) if resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(latest, model, optimizer, device)
-        if recipe.train.fused_optimizer:
-            use_fused_adam(optimizer)  # the loaded param groups carry the writer's flags
+        perf.after_checkpoint_load(recipe.perf, optimizer)  # the loaded param groups carry the writer's flags
         start_step, consumed = state["step"], state["consumed_samples"]
         say(f"[megamoe-train] resumed from {latest} at step {start_step} ({consumed} samples consumed)")
     _set_recipe_hyperparams(optimizer, recipe)
@@ -269,7 +264,7 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
         return batch
 
-    host_gc = HostGC(recipe.train.manual_gc, recipe.train.gc_every)  # after the model and corpus exist
+    host_gc = perf.host_gc(recipe.perf)  # after the model and corpus exist
     pending: list[PendingStep] = []
     totals = {"tokens": 0, "seconds": 0.0}
     wait_snapshot = None  # MegaMoE barriers' wait counter at the end of the previous step
