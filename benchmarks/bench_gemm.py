@@ -25,7 +25,7 @@ layer, where an expert's last 128-row tile is mostly partial.
   megatron_patch.grad_buffers), every variant, against accumulating plus DDP's zero_ of main_grad.
 - dense_acc (not in the default list): the DeepSeek-V3 proxy's dense weight gradients (attention
   QKV and projection, the dense layer's MLP, the output layer; one micro-batch of 8192 tokens)
-  added into fp32 main_grad, one group: what megatron_patch.dense_wgrad runs for Megatron's
+  added into fp32 main_grad, one group: what megamoe_trainer.perf.dense_wgrad runs for Megatron's
   gradient_accumulation_fusion, every variant, vs torch bf16 mm then add_ (Megatron's unfused wgrad
   and DDP's add).
 Peaks: torch.mm bf16 and torch._scaled_mm fp8 (row-wise scales) at 8192^3, and the HBM write rate

@@ -3,7 +3,7 @@ AdamW on fp32 main params plus the bf16 model params, two ways:
 
   torch    torch's fused AdamW (`fused=True`, what the trainer used) then megatron's main -> model
            copy (`_foreach_copy_` fp32 -> bf16, what fused_optimizer._scale runs);
-  kernel   megamoe_trainer.adam_kernel.adamw_update per tensor, writing the bf16 copy itself.
+  kernel   megamoe_trainer.perf.adam_kernel.adamw_update per tensor, writing the bf16 copy itself.
 
   python benchmarks/bench_optimizer.py [--scale 1.0]
 
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megamoe_trainer.adam_kernel import adamw_update  # noqa: E402
+from megamoe_trainer.perf.adam_kernel import adamw_update  # noqa: E402
 from timing import hbm_bandwidth, median_ms  # noqa: E402
 
 KW = dict(lr=2.2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -1,4 +1,5 @@
-"""Megatron's router top-k path per MoE layer call, torch vs megatron_patch.routing, one GPU.
+"""Megatron's router top-k path per MoE layer call, torch vs the kernels (megamoe_trainer.perf.router_topk,
+megatron_patch.routing), one GPU.
 
 What a training step runs per MoE layer call with megatron's router and no Transformer Engine:
 `topk_routing_with_score_function` (score function, expert bias, group-limited top-k, dense
@@ -39,7 +40,8 @@ def main():
     from megatron.core.transformer.moe import moe_utils
 
     from megatron_patch import moe_layer
-    from megatron_patch.routing import argsort_slots, fused_aux_loss_scores, fused_topk_routing, routing_map_slots
+    from megamoe_trainer.perf.router_topk import fused_aux_loss_scores, fused_topk_routing
+    from megatron_patch.routing import argsort_slots, routing_map_slots
 
     dev = torch.device("cuda")
     T, E, K = args.tokens, args.experts, args.topk

@@ -22,7 +22,7 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
   as a waiting GPU.) Below the table: per variant, in how many timed steps each EP rank was the
   most-waiting one (a rank that waits in nearly every step has a slower peer);
 - host GC: ms per step the slowest rank's host spent in Python garbage collection (mean over the
-  timed steps; with train.manual_gc only the scheduled collections every train.gc_every steps);
+  timed steps; with perf.manual_gc only the scheduled collections every perf.gc_every steps);
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
 - loss agreement with the stock variant: max relative difference of the per-step losses, and the
   relative difference of the mean of the last 20 losses.
@@ -57,24 +57,24 @@ VARIANTS = {
     "bf16-graph": ("bf16", ["moe.megamoe_cuda_graph=true"]),
     "fp8-graph": ("fp8", ["moe.megamoe_cuda_graph=true"]),
     "bf16-graph-unfused": ("bf16", ["moe.megamoe_cuda_graph=true", _UNFUSED]),
-    "stock": (None, ["moe.fused_router_topk=false"]),  # Megatron's MoE layer and router as they are
+    "stock": (None, ["perf.fused_router_topk=false"]),  # Megatron's MoE layer and router as they are
     # host-side A/Bs against "bf16": Python's GC run by hand, rank processes pinned to their GPU's
     # CPUs, both, and the router's top-k by kernel / by torch.topk
-    "bf16-manual-gc": ("bf16", ["train.manual_gc=true"]),
+    "bf16-manual-gc": ("bf16", ["perf.manual_gc=true"]),
     "bf16-pinned": ("bf16", ["parallel.pin_cpus=true"]),
-    "bf16-manual-gc-pinned": ("bf16", ["train.manual_gc=true", "parallel.pin_cpus=true"]),
-    "bf16-router-kernel": ("bf16", ["moe.fused_router_topk=true"]),
-    "bf16-router-torch": ("bf16", ["moe.fused_router_topk=false"]),
-    # the dense layers' wgrads into main_grad by their GEMM (megatron_patch.dense_wgrad)
-    "bf16-dense-fusion": ("bf16", ["train.dense_wgrad_fusion=true"]),
-    "fp8-dense-fusion": ("fp8", ["train.dense_wgrad_fusion=true"]),
+    "bf16-manual-gc-pinned": ("bf16", ["perf.manual_gc=true", "parallel.pin_cpus=true"]),
+    "bf16-router-kernel": ("bf16", ["perf.fused_router_topk=true"]),
+    "bf16-router-torch": ("bf16", ["perf.fused_router_topk=false"]),
+    # the dense layers' wgrads into main_grad by their GEMM (megamoe_trainer.perf.dense_wgrad)
+    "bf16-dense-fusion": ("bf16", ["perf.dense_wgrad_fusion=true"]),
+    "fp8-dense-fusion": ("fp8", ["perf.dense_wgrad_fusion=true"]),
     # DDP all-reduces the data-parallel gradient buckets during the last micro-batch's backward
     "bf16-overlap-grad": ("bf16", ["train.overlap_grad_reduce=true"]),
     "fp8-overlap-grad": ("fp8", ["train.overlap_grad_reduce=true"]),
     # torch's fused AdamW and megatron's main -> model copy instead of the AdamW kernel that writes
-    # the bf16 params (megamoe_trainer/adam_kernel.py)
-    "bf16-torch-adam": ("bf16", ["train.adam_writes_model_params=false"]),
-    "fp8-torch-adam": ("fp8", ["train.adam_writes_model_params=false"]),
+    # the bf16 params (megamoe_trainer/perf/adam_kernel.py)
+    "bf16-torch-adam": ("bf16", ["perf.adam_writes_model_params=false"]),
+    "fp8-torch-adam": ("fp8", ["perf.adam_writes_model_params=false"]),
     # the DeepSeek-V3 proxy's tokens per optimizer step in other micro-batch splits (the 2-GPU
     # recipes: 16 x 1 since a1edf4a, 4 x 4 before): every micro-batch reads and writes the
     # experts' fp32 main_grad once in its wgrads

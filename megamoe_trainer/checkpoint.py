@@ -5,6 +5,7 @@ optimizer sharded state dicts, written collectively by every rank with
 `dist_checkpointing.save`), `rank_XXXXX.pt` per rank (step, samples consumed, CPU / CUDA /
 Megatron tracker RNG states) and `meta.json`. RUN/checkpoints/latest names the newest complete
 checkpoint; it is written last, so a run killed mid-save resumes from the previous one.
+`RunCheckpoints` is the training loop's view: what it resumes from and when it saves.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def latest_checkpoint(run_dir: str) -> str | None:
         return None
     path = os.path.join(root, name)
     return path if os.path.isfile(os.path.join(path, "meta.json")) else None
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json: step, consumed_samples, world_size, the recipe it ran."""
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
 
 
 def _rng_state(device: str) -> dict:
@@ -86,8 +93,7 @@ def load_checkpoint(path: str, model, optimizer, device: str) -> dict:
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    meta = read_meta(path)
     if meta.get("world_size") != dist.get_world_size():
         raise RuntimeError(f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}")
     model_sd = model.sharded_state_dict()
@@ -101,3 +107,41 @@ def load_checkpoint(path: str, model, optimizer, device: str) -> dict:
     extra = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
     _set_rng_state(extra["rng"], device)
     return {"step": extra["step"], "consumed_samples": extra["consumed_samples"]}
+
+
+class RunCheckpoints:
+    """The checkpoints of one run dir as the training loop uses them: resume from the latest,
+    save every run.save_every steps (not at the invocation's last step) and at the end unless
+    that step is saved already; nothing is written with run.checkpoint false. Collective."""
+
+    def __init__(self, run_dir: str, recipe, model, optimizer, device: str):
+        self.run_dir, self.recipe = run_dir, recipe
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.enabled, self.every = recipe.run.checkpoint, recipe.run.save_every
+        self.last_saved = 0  # step of the newest checkpoint of this run (resumed or saved)
+
+    def resume(self) -> dict | None:
+        """Load the latest checkpoint into model, optimizer and RNG: {path, step,
+        consumed_samples}, or None where the run dir has none."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return None
+        state = load_checkpoint(path, self.model, self.optimizer, self.device)
+        self.last_saved = state["step"]
+        return {"path": path, **state}
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether the loop saves after `step` (the invocation's `last` is saved by `save_final`)."""
+        return bool(self.enabled and self.every and step % self.every == 0 and step != last)
+
+    def save(self, step: int, consumed_samples: int) -> str:
+        path = save_checkpoint(self.run_dir, step, consumed_samples, self.model, self.optimizer, self.device,
+                               {"recipe": self.recipe.to_dict()})
+        self.last_saved = step
+        return path
+
+    def save_final(self, last: int, consumed_samples: int) -> str | None:
+        """The invocation's last step, unless checkpoints are off or it is saved already."""
+        if not self.enabled or last <= self.last_saved:
+            return None
+        return self.save(last, consumed_samples)

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         device = check_environment(recipe)
         run_dir = os.path.abspath(recipe.run.dir)
-        from .checkpoint import LATEST, checkpoint_root, latest_checkpoint
+        from .checkpoint import LATEST, checkpoint_root, latest_checkpoint, read_meta
 
         resume = recipe.run.resume if args.resume is None else args.resume
         latest = latest_checkpoint(run_dir)
@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError("run.resume", f"no checkpoint to resume from in {run_dir}/checkpoints")
         resume = bool(resume) and latest is not None  # "auto": resume when there is one
         if resume:
-            with open(os.path.join(latest, "meta.json")) as f:
-                saved_world = json.load(f).get("world_size")
+            saved_world = read_meta(latest).get("world_size")
             if saved_world != recipe.parallel.world_size:
                 raise RecipeError("parallel.world_size", f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "
                                   f"{saved_world} ranks (use another run.dir, or --no-resume)")

@@ -10,9 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .fused_elementwise import use_compiled_rope
-from .fused_optimizer import install as install_fused_multi_tensor_ops
-from .fused_optimizer import use_adam_writing_model_params, use_fused_adam
+from . import perf
 
 
 def transformer_config(recipe, on_gpu: bool = False):
@@ -60,8 +58,8 @@ def transformer_config(recipe, on_gpu: bool = False):
         moe_aux_loss_coeff=moe.aux_loss_coeff if moe.load_balancing != "none" else 0.0,
         moe_z_loss_coeff=moe.z_loss_coeff,
         moe_router_dtype="fp32",
-        cross_entropy_loss_fusion=m.fused_cross_entropy and on_gpu,
-        gradient_accumulation_fusion=recipe.train.dense_wgrad_fusion,  # megatron_patch.dense_wgrad
+        cross_entropy_loss_fusion=recipe.perf.fused_cross_entropy and on_gpu,
+        gradient_accumulation_fusion=recipe.perf.dense_wgrad_fusion,  # perf/dense_wgrad.py gives the layers the extension
         cross_entropy_fusion_impl="native",  # megatron's own (torch.compile'd); "te" needs Transformer Engine
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,
@@ -82,16 +80,7 @@ def build_model(recipe, device: str):
 
     cfg = transformer_config(recipe, on_gpu=device == "cuda")
     spec = layer_spec(recipe, cfg)
-    if device == "cuda" and recipe.model.fused_rope:
-        use_compiled_rope()
-    if recipe.train.dense_wgrad_fusion:  # before the layers are built: they check for the extension
-        from megatron_patch import use_dense_wgrad_fusion
-
-        use_dense_wgrad_fusion()
-    if device == "cuda" and recipe.moe.fused_router_topk:
-        from megatron_patch import use_fused_router_topk
-
-        use_fused_router_topk()
+    perf.install(recipe.perf, device)  # before the layers are built: they look for the wgrad extension
     m = recipe.model
     gpt = GPTModel(
         cfg, spec, vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
@@ -110,8 +99,6 @@ def build_model(recipe, device: str):
                 dist.broadcast(p.data, src=src, group=dp_group)
     model = Float16Module(cfg, gpt) if cfg.bf16 else gpt
     t = recipe.train
-    if t.fused_optimizer:
-        install_fused_multi_tensor_ops()
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce, use_distributed_optimizer=t.use_distributed_optimizer,
     )
@@ -133,28 +120,16 @@ def build_model(recipe, device: str):
         use_distributed_optimizer=t.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [model])
-    if t.fused_optimizer:
-        use_fused_adam(optimizer)
-        if t.adam_writes_model_params:
-            bf16_moments = t.adam_moments_dtype == "bf16"
-            switched = use_adam_writing_model_params(optimizer, torch.bfloat16 if bf16_moments else torch.float32)
-            if bf16_moments and not switched:
-                raise RuntimeError("train.adam_moments_dtype=bf16: the AdamW kernel that keeps bf16 moments cannot step "
-                                   "this run's optimizer (it needs CUDA fp32 main params under megatron's bf16 optimizer)")
+    perf.tune_optimizer(recipe.perf, optimizer, t.adam_moments_dtype)
     return model, optimizer, cfg
 
 
 def layer_spec(recipe, cfg):
     """The MegaMoE adapter's GPT block spec (Megatron's local spec, MoE layers swapped when
-    moe.megamoe_recipe is set), with SDPA core attention unless model.attention is 'megatron'."""
+    moe.megamoe_recipe is set), with SDPA core attention unless perf.attention is 'megatron'."""
     from megatron_patch import get_megamoe_gpt_decoder_block_spec
 
-    spec = get_megamoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
-    if recipe.model.attention == "sdpa":
-        from .attention import use_sdpa_core_attention
-
-        spec = use_sdpa_core_attention(spec)
-    return spec
+    return perf.core_attention(recipe.perf, get_megamoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False))
 
 
 def count_params(model) -> tuple[int, int]:

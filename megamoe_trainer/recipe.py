@@ -1,17 +1,18 @@
 """Training recipes for `megamoe-train`: a YAML schema as dataclasses, loaded and checked before
 any rank starts.
 
-A recipe has six sections (every key optional, defaults below): `run`, `parallel`, `model`,
-`moe`, `train`, `data`. Unknown keys, wrong types and impossible combinations raise
-`RecipeError` whose message starts with the dotted key at fault (e.g. `moe.num_experts: ...`).
+A recipe has seven sections (every key optional, defaults below): `run`, `parallel`, `model`,
+`moe`, `train`, `perf`, `data`. Each section checks its own keys (`check`, with the other
+sections at hand where a rule spans two). Unknown keys, wrong types and impossible combinations
+raise `RecipeError` whose message starts with the dotted key at fault (e.g. `moe.num_experts: ...`).
+Keys of earlier recipes that moved to `perf` (`MOVED_KEYS`) are still read where they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import difflib
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -19,20 +20,45 @@ import yaml
 from megamoe_train.precision import RECIPES as _RECIPES
 
 from .flops import H200_BF16_PEAK_TFLOPS
+from .schema import RecipeError, from_mapping
+
+__all__ = ["MEGAMOE_RECIPES", "MOVED_KEYS", "Recipe", "RecipeError", "apply_overrides", "check_environment",
+           "load_recipe", "parse_override", "read_recipe_file", "runs_on_cuda", "validate", "validate_with_megatron"]
 
 MEGAMOE_RECIPES = tuple(_RECIPES)
 
 
-class RecipeError(ValueError):
-    """A recipe that cannot run; the message names the key."""
+class _Section:
+    """What every section has besides its keys: the keys that must be > 0 (None allowed) or >= 0,
+    checked by `check_ranges()` before any section's `check(recipe)` runs its rules."""
 
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}" if key else message)
+    prefix = ""  # the section's name in the recipe
+    _positive_keys: tuple[str, ...] = ()
+    _non_negative_keys: tuple[str, ...] = ()
+
+    def check_ranges(self) -> None:
+        for name in self._positive_keys:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                self._fail(name, f"must be > 0, got {value!r}")
+        for name in self._non_negative_keys:
+            value = getattr(self, name)
+            if value < 0:
+                self._fail(name, f"must be >= 0, got {value!r}")
+
+    def check(self, recipe: Recipe) -> None:
+        """Raise RecipeError for a key of this section that cannot run in `recipe` (every
+        section's ranges already checked)."""
+
+    def _fail(self, name: str, message: str):
+        raise RecipeError(f"{self.prefix}.{name}", message)
 
 
 @dataclass
-class RunSection:
+class RunSection(_Section):
+    prefix = "run"
+    _positive_keys = ("log_every", "peak_tflops", "profile_at", "profile_steps")
+    _non_negative_keys = ("plot_every", "save_every")
     dir: str = "runs/default"  # run directory: metrics, plots, checkpoints (relative to the CWD)
     seed: int = 1234
     log_every: int = 1  # print a progress line every N steps (rank 0)
@@ -44,9 +70,23 @@ class RunSection:
     profile_at: Optional[int] = None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
     profile_steps: int = 3
 
+    def check(self, recipe: Recipe) -> None:
+        t = recipe.train
+        if not self.dir:
+            self._fail("dir", "must not be empty")
+        if self.profile_at is not None:
+            last = self.profile_at + self.profile_steps - 1
+            if last > t.steps:
+                self._fail("profile_at", f"steps {self.profile_at}..{last} do not fit in train.steps={t.steps}")
+            if t.stop_at is not None and self.profile_at <= t.stop_at < last:
+                # the invocation would end with the profiler open: no trace, no profile summary, silently
+                self._fail("profile_at", f"steps {self.profile_at}..{last} do not fit before train.stop_at={t.stop_at}")
+
 
 @dataclass
-class ParallelSection:
+class ParallelSection(_Section):
+    prefix = "parallel"
+    _positive_keys = ("world_size", "expert_parallel", "tensor_parallel")
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is present
     world_size: int = 1  # processes; on cuda one per GPU
     expert_parallel: int = 1  # EP size: must divide world_size / tensor_parallel and moe.num_experts
@@ -56,9 +96,28 @@ class ParallelSection:
     # measured gain on a one-NUMA-node 2x H200 host)
     pin_cpus: bool = False
 
+    def check(self, recipe: Recipe) -> None:
+        m, moe = recipe.model, recipe.moe
+        if self.world_size % self.tensor_parallel:
+            self._fail("tensor_parallel", f"{self.tensor_parallel} does not divide parallel.world_size={self.world_size}")
+        if self.world_size % self.expert_parallel:
+            self._fail("expert_parallel", f"{self.expert_parallel} does not divide parallel.world_size={self.world_size}")
+        if moe.num_experts % self.expert_parallel:
+            self._fail("expert_parallel", f"{self.expert_parallel} does not divide moe.num_experts={moe.num_experts}")
+        if m.num_attention_heads % self.tensor_parallel:
+            self._fail("tensor_parallel", f"{self.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}")
+        if self.tensor_parallel > 1 and moe.megamoe_recipe is not None:
+            self._fail("tensor_parallel", "MegaMoE layers support tensor_parallel 1 only (use expert_parallel)")
+        if self.tensor_parallel > 1:  # the stock MoELayer's forward raises in training under TP without sequence parallelism
+            self._fail("tensor_parallel", "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
+                       "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)")
+
 
 @dataclass
-class ModelSection:
+class ModelSection(_Section):
+    prefix = "model"
+    _positive_keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                      "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base", "init_std")
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -74,15 +133,40 @@ class ModelSection:
     rotary_base: int = 10000
     dtype: Literal["fp32", "bf16"] = "bf16"  # parameter / activation dtype (master weights fp32 in bf16)
     init_std: float = 0.02
-    attention: Literal["sdpa", "megatron"] = "sdpa"  # core attention: torch SDPA (fused) or Megatron's local DotProductAttention
-    # CUDA only (torch.compile'd; compiled on the first step): megatron's RoPE and its native fused
-    # vocab-parallel cross entropy, where its fused kernels would need Transformer Engine
-    fused_rope: bool = True
-    fused_cross_entropy: bool = True
+
+    def check(self, recipe: Recipe) -> None:
+        tp = recipe.parallel.tensor_parallel
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            self._fail("num_attention_heads", f"{self.num_attention_heads} does not divide model.hidden_size={self.hidden_size} "
+                       "(or set model.kv_channels)")
+        if self.num_query_groups is not None:
+            if self.num_attention_heads % self.num_query_groups:
+                self._fail("num_query_groups", f"{self.num_query_groups} does not divide "
+                           f"model.num_attention_heads={self.num_attention_heads}")
+            if self.num_query_groups % tp:
+                raise RecipeError("parallel.tensor_parallel", f"{tp} does not divide model.num_query_groups={self.num_query_groups}")
+        if self.position_embedding == "rope":
+            head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
+            if head_dim % 2:
+                self._fail("position_embedding", f"rope needs an even head dim, got {head_dim}")
+        if self.vocab_size % tp:
+            self._fail("vocab_size", f"{self.vocab_size} is not divisible by parallel.tensor_parallel={tp}")
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            if len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
+                self._fail("moe_layer_freq", f"a list must hold {self.num_layers} entries of 0/1 (one per layer), got {freq}")
+            if not any(freq):
+                self._fail("moe_layer_freq", "no MoE layer")
+        elif freq <= 0 or freq > self.num_layers:
+            self._fail("moe_layer_freq", f"must be in 1..model.num_layers={self.num_layers}, got {freq}")
 
 
 @dataclass
-class MoESection:
+class MoESection(_Section):
+    prefix = "moe"
+    _positive_keys = ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "max_tokens_per_rank",
+                      "router_num_groups", "router_group_topk")
+    _non_negative_keys = ("aux_loss_coeff",)
     num_experts: int = 8
     topk: int = 2
     ffn_hidden_size: int = 128  # per-expert intermediate size I
@@ -94,10 +178,6 @@ class MoESection:
     router_group_topk: Optional[int] = None
     router_expert_bias: bool = False  # aux-loss-free balancing (needs sigmoid scores)
     router_bias_update_rate: float = 1e-3
-    # CUDA only: the router's top-k expert selections (group-limited and aux-loss) in one Triton
-    # kernel per call instead of torch.topk's (megatron_patch.routing); same experts chosen. On: with
-    # the MoE layers graphed it measured +3.1% tokens/s (means of two alternating pairs) (NOTES.md, session 24)
-    fused_router_topk: bool = True
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     aux_loss_coeff: float = 1e-2
     z_loss_coeff: Optional[float] = None
@@ -105,8 +185,9 @@ class MoESection:
     megamoe_backend: str = "auto"
     # replay each MoE layer's call from CUDA graphs (megamoe_train.graphs); None: wherever the layers
     # run the GPU executor (megatron_patch.cuda_graphs_enabled: CUDA, sm90, backend auto/triton, a
-    # recipe it runs): a host that falls behind then no longer starves its GPU and its peer
-    # (BENCHMARKS.md, session 24)
+    # recipe it runs): a host that falls behind then no longer starves its GPU and its peer (eager
+    # layers measured 7.5-27 ms per step waiting at the forward's first barrier, replayed ones
+    # 0.1-3.8 ms, on the DeepSeek-V3 proxy over 2 H200s)
     megamoe_cuda_graph: Optional[bool] = None
     # expert wgrads added into DDP's main_grad by the wgrad GEMM (no separate main_grad += grad pass)
     megamoe_fuse_wgrad_accumulation: bool = True
@@ -116,9 +197,42 @@ class MoESection:
     megamoe_overwrite_main_grad: bool = True
     max_tokens_per_rank: Optional[int] = None  # MegaMoE buffer size; None = micro_batch * seq_length
 
+    def check(self, recipe: Recipe) -> None:
+        t, m = recipe.train, recipe.model
+        if self.topk > self.num_experts:
+            self._fail("topk", f"{self.topk} exceeds moe.num_experts={self.num_experts}")
+        if (self.router_num_groups is None) != (self.router_group_topk is None):
+            self._fail("router_group_topk", "set both moe.router_num_groups and moe.router_group_topk, or neither")
+        if self.router_num_groups is not None:
+            if self.num_experts % self.router_num_groups:
+                self._fail("router_num_groups", f"{self.router_num_groups} does not divide moe.num_experts={self.num_experts}")
+            if self.router_group_topk > self.router_num_groups:
+                self._fail("router_group_topk", f"{self.router_group_topk} exceeds moe.router_num_groups={self.router_num_groups}")
+            if self.topk > self.router_group_topk * (self.num_experts // self.router_num_groups):
+                self._fail("topk", f"{self.topk} exceeds the experts of the selected groups")
+        if self.router_expert_bias and self.router_score_function != "sigmoid":
+            self._fail("router_expert_bias", "needs moe.router_score_function: sigmoid (Megatron ignores the bias with softmax)")
+        if self.router_pre_softmax and self.router_score_function != "softmax":
+            self._fail("router_pre_softmax", "only applies to moe.router_score_function: softmax")
+        if self.megamoe_recipe is None:
+            return
+        if self.megamoe_recipe not in MEGAMOE_RECIPES:
+            self._fail("megamoe_recipe", f"unknown recipe {self.megamoe_recipe!r}; choose one of {', '.join(MEGAMOE_RECIPES)} "
+                       "or null (stock Megatron MoE)")
+        routed = t.micro_batch_size * m.seq_length
+        if recipe.max_tokens_per_rank < routed:
+            self._fail("max_tokens_per_rank", f"{self.max_tokens_per_rank} is below the tokens one rank routes per step "
+                       f"(train.micro_batch_size * model.seq_length = {routed})")
+        if self.megamoe_cuda_graph and recipe.parallel.device != "cuda":
+            self._fail("megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
+        _check_megamoe_shapes(recipe)
+
 
 @dataclass
-class TrainSection:
+class TrainSection(_Section):
+    prefix = "train"
+    _positive_keys = ("steps", "stop_at", "micro_batch_size", "grad_accum_steps", "lr")
+    _non_negative_keys = ("warmup_steps", "min_lr", "weight_decay", "clip_grad")
     steps: int = 100  # length of the run (the LR schedule ends here)
     stop_at: Optional[int] = None  # end this invocation after this step (checkpointed); resume continues
     micro_batch_size: int = 8  # sequences per rank per forward; global batch = micro_batch * DP size * grad_accum_steps
@@ -131,34 +245,90 @@ class TrainSection:
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
-    fused_optimizer: bool = True  # foreach grad norm / clip and fused AdamW where megatron has no TE / Apex kernels
-    # with fused_optimizer, on CUDA: the AdamW kernel also writes the bf16 model params, so megatron's
-    # separate main -> model params copy is skipped (megamoe_trainer/adam_kernel.py)
-    adam_writes_model_params: bool = True
-    # AdamW's exp_avg and exp_avg_sq kept in bf16 by that kernel (DeepSeek-V3's recipe): 22 bytes of
-    # optimizer traffic per parameter instead of 30, 4 bytes less memory. Needs the kernel (CUDA,
-    # bf16 model, no distributed optimizer) and adam_beta2 <= 0.99 (adam_kernel.py says why)
+    # AdamW's exp_avg and exp_avg_sq kept in bf16 by the AdamW kernel of perf.adam_writes_model_params
+    # (DeepSeek-V3's recipe): 22 bytes of optimizer traffic per parameter instead of 30, 4 bytes less
+    # memory. Needs the kernel (CUDA, bf16 model, no distributed optimizer) and adam_beta2 <= 0.99
+    # (perf/adam_kernel.py says why)
     adam_moments_dtype: Literal["fp32", "bf16"] = "fp32"
     # fp32 matmuls on TF32 tensor cores (CUDA): in a bf16 model only the router's (moe_router_dtype
     # fp32), whose operands are bf16 values, exact in TF32; fp32 accumulation either way
     tf32_matmul: bool = True
     overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
+
+    @property
+    def last_step(self) -> int:
+        """This invocation's final step."""
+        return min(self.steps, self.stop_at or self.steps)
+
+    def check(self, recipe: Recipe) -> None:
+        p, m, perf = recipe.parallel, recipe.model, recipe.perf
+        if self.min_lr > self.lr:
+            self._fail("min_lr", f"{self.min_lr} exceeds train.lr={self.lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                self._fail(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_moments_dtype == "bf16":
+            needs = {"parallel.device": (p.device == "cuda", "cuda"), "model.dtype": (m.dtype == "bf16", "bf16"),
+                     "perf.fused_optimizer": (perf.fused_optimizer, "true"),
+                     "perf.adam_writes_model_params": (perf.adam_writes_model_params, "true"),
+                     "train.use_distributed_optimizer": (not self.use_distributed_optimizer, "false")}
+            for dotted, (ok, want) in needs.items():
+                if not ok:
+                    self._fail("adam_moments_dtype", f"bf16 moments are kept by the AdamW kernel, which needs {dotted}: {want}")
+            if self.adam_beta2 > 0.99:
+                self._fail("adam_moments_dtype", f"bf16 exp_avg_sq with adam_beta2={self.adam_beta2}: its per-step decay "
+                           f"{1 - self.adam_beta2:.2g} is too small for bf16's rounding step, it would stall; keep fp32 "
+                           "moments or use adam_beta2 <= 0.99")
+
+
+@dataclass
+class PerfSection(_Section):
+    """The general speed-ups (megamoe_trainer/perf/): each stands in for a Transformer Engine or
+    Apex feature (docs/perf.md); false restores megatron-core's own path."""
+
+    prefix = "perf"
+    _non_negative_keys = ("gc_every",)
+    fused_optimizer: bool = True  # foreach grad norm / clip and fused AdamW where megatron has no TE / Apex kernels
+    # with fused_optimizer, on CUDA: the AdamW kernel also writes the bf16 model params, so megatron's
+    # separate main -> model params copy is skipped (perf/adam_kernel.py)
+    adam_writes_model_params: bool = True
+    attention: Literal["sdpa", "megatron"] = "sdpa"  # core attention: torch SDPA (fused) or Megatron's local DotProductAttention
+    # CUDA only (torch.compile'd; compiled on the first step): megatron's RoPE and its native fused
+    # vocab-parallel cross entropy, where its fused kernels would need Transformer Engine
+    fused_rope: bool = True
+    fused_cross_entropy: bool = True
+    # CUDA only: the router's top-k expert selections (group-limited and aux-loss) in one Triton
+    # kernel per call instead of torch.topk's (perf/router_topk.py); same experts chosen. On: with
+    # the MoE layers graphed it measured +3.1% tokens/s on the DeepSeek-V3 proxy over 2 H200s
+    # (means of two alternating pairs)
+    fused_router_topk: bool = True
     # the dense linear layers' wgrads added into DDP's main_grad by their GEMM (Megatron's
-    # gradient_accumulation_fusion, megatron_patch.dense_wgrad): no bf16 wgrad and no separate add.
-    # Off: 1% slower at the DeepSeek-V3 proxy on 2 H200s (BENCHMARKS.md, session 25)
+    # gradient_accumulation_fusion, perf/dense_wgrad.py): no bf16 wgrad and no separate add.
+    # Off: 1% slower at the DeepSeek-V3 proxy on 2 H200s, where cuBLAS's wgrad plus the adds cost
+    # no more than the accumulating GEMM
     dense_wgrad_fusion: bool = False
-    # Python's garbage collector (megamoe_trainer/host_gc.py): true = freeze the heap after the
-    # model is built, no automatic collections, collect every gc_every steps on every rank at once
-    # (0 = never during the run). Off by default: the automatic collector measured 0.0-0.3 ms/step
+    # Python's garbage collector (perf/host_gc.py): true = freeze the heap after the model is built,
+    # no automatic collections, collect every gc_every steps on every rank at once (0 = never during
+    # the run). Off by default: the automatic collector measured 0.0-0.3 ms/step
     manual_gc: bool = False
     gc_every: int = 50
 
 
 @dataclass
-class DataSection:
+class DataSection(_Section):
+    prefix = "data"
+    _non_negative_keys = ("eod_token",)
     path: Optional[str] = None  # Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx); None = synthetic
     eod_token: int = 0
     seed: Optional[int] = None  # synthetic corpus / sample shuffling seed; None = run.seed
+
+    def check(self, recipe: Recipe) -> None:
+        if self.eod_token >= recipe.model.vocab_size:
+            self._fail("eod_token", f"{self.eod_token} is not below model.vocab_size={recipe.model.vocab_size}")
+        if self.path is not None:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(self.path + ext):
+                    self._fail("path", f"{self.path + ext} not found (data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)")
 
 
 @dataclass
@@ -168,7 +338,19 @@ class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     moe: MoESection = field(default_factory=MoESection)
     train: TrainSection = field(default_factory=TrainSection)
+    perf: PerfSection = field(default_factory=PerfSection)
     data: DataSection = field(default_factory=DataSection)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Recipe:
+        """The recipe of a mapping (what YAML reads, or `to_dict` wrote), types checked, not
+        validated; keys of MOVED_KEYS read at their new place."""
+        data, renamed = _move_old_keys(data)
+        with _named_as_written(renamed):
+            return from_mapping(cls, data)
+
+    def sections(self) -> list[_Section]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -194,81 +376,55 @@ class Recipe:
 
 # ---- loading ---------------------------------------------------------------------------------
 
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin is Union:
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(key: str, value: Any, tp):
-    """value checked (and int -> float widened) against the annotation tp, or RecipeError."""
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except RecipeError:
-                pass
-        raise RecipeError(key, f"expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
-            return value
-        raise RecipeError(key, f"expected one of {_type_name(tp)}, got {value!r}")
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise RecipeError(key, f"expected {_type_name(tp)}, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise RecipeError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+# Keys of earlier recipes -> where they live now. A recipe (or --set) may still use the old name;
+# errors then name the key as written.
+MOVED_KEYS = {
+    "train.fused_optimizer": "perf.fused_optimizer",
+    "train.adam_writes_model_params": "perf.adam_writes_model_params",
+    "model.attention": "perf.attention",
+    "model.fused_rope": "perf.fused_rope",
+    "model.fused_cross_entropy": "perf.fused_cross_entropy",
+    "moe.fused_router_topk": "perf.fused_router_topk",
+    "train.dense_wgrad_fusion": "perf.dense_wgrad_fusion",
+    "train.manual_gc": "perf.manual_gc",
+    "train.gc_every": "perf.gc_every",
+}
 
 
-def _build(cls, data: Any, prefix: str):
-    if data is None:
-        data = {}
+def _move_old_keys(data: Any) -> tuple[Any, dict[str, str]]:
+    """data with the keys of MOVED_KEYS under their new names, and {new name: old name} of those
+    moved. A key set under both names is refused."""
     if not isinstance(data, dict):
-        raise RecipeError(prefix or "recipe", f"expected a mapping, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
-            raise RecipeError(dotted, f"unknown key{hint}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, dotted)
-        else:
-            kwargs[key] = _coerce(dotted, value, tp)
-    return cls(**kwargs)
+        return data, {}
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    renamed = {}
+    for old, new in MOVED_KEYS.items():
+        old_section, old_name = old.split(".")
+        section = data.get(old_section)
+        if not isinstance(section, dict) or old_name not in section:
+            continue
+        new_section, new_name = new.split(".")
+        target = data.get(new_section)
+        if target is None:
+            target = data[new_section] = {}
+        if not isinstance(target, dict):
+            continue  # from_mapping names the section that is not a mapping
+        if new_name in target:
+            raise RecipeError(old, f"is the old name of {new}, which the recipe sets too: keep {new}")
+        target[new_name] = section.pop(old_name)
+        renamed[new] = old
+    return data, renamed
+
+
+@contextlib.contextmanager
+def _named_as_written(renamed: dict[str, str]):
+    """A RecipeError about a moved key names the key as the recipe wrote it."""
+    try:
+        yield
+    except RecipeError as e:
+        if e.key not in renamed:
+            raise
+        raise RecipeError(renamed[e.key], e.reason) from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -299,159 +455,55 @@ def apply_overrides(data: dict, overrides: list[tuple[str, Any]]) -> dict:
     return data
 
 
+def read_recipe_file(path: str | os.PathLike | None) -> Any:
+    """What the recipe file's YAML holds (None for an empty file), or RecipeError."""
+    if path is None:
+        raise RecipeError("recipe", "no recipe file given")
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise RecipeError("recipe", f"file not found: {path}")
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise RecipeError("recipe", f"{path} is not valid YAML: {e}") from None
+
+
 def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None, data: dict | None = None,
                 deep: bool = True) -> Recipe:
     """Read a recipe file (or a dict), apply `section.key=value` overrides, validate it
     (deep: also build the Megatron TransformerConfig, which runs Megatron's and the MegaMoE
     adapter's own checks)."""
     if data is None:
-        if path is None:
-            raise RecipeError("recipe", "no recipe file given")
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise RecipeError("recipe", f"file not found: {path}")
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise RecipeError("recipe", f"{path} is not valid YAML: {e}") from None
+        data = read_recipe_file(path)
         if data is None:
             data = {}
-    data = apply_overrides(data, [parse_override(o) for o in overrides or []])
-    recipe = _build(Recipe, data, "")
-    validate(recipe)
-    if deep:
-        validate_with_megatron(recipe)
+    data, renamed = _move_old_keys(data)
+    pairs = []
+    for key, value in (parse_override(o) for o in overrides or []):
+        if key in MOVED_KEYS:
+            renamed[MOVED_KEYS[key]] = key
+            key = MOVED_KEYS[key]
+        pairs.append((key, value))
+    data = apply_overrides(data, pairs)
+    with _named_as_written(renamed):
+        recipe = from_mapping(Recipe, data)
+        validate(recipe)
+        if deep:
+            validate_with_megatron(recipe)
     return recipe
 
 
 # ---- validation -----------------------------------------------------------------------------
 
 
-def _positive(recipe: Recipe, *keys: str):
-    for dotted in keys:
-        section, name = dotted.split(".")
-        value = getattr(getattr(recipe, section), name)
-        if value is not None and value <= 0:
-            raise RecipeError(dotted, f"must be > 0, got {value!r}")
-
-
 def validate(recipe: Recipe) -> Recipe:
-    """Checks that need no hardware: sizes, divisibility, names, files. Raises RecipeError."""
-    r, p, m, moe, t, d = recipe.run, recipe.parallel, recipe.model, recipe.moe, recipe.train, recipe.data
-    _positive(
-        recipe,
-        "parallel.world_size", "parallel.expert_parallel", "parallel.tensor_parallel",
-        "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
-        "model.kv_channels", "model.ffn_hidden_size", "model.vocab_size", "model.seq_length",
-        "model.rotary_base", "model.init_std",
-        "moe.num_experts", "moe.topk", "moe.ffn_hidden_size", "moe.shared_expert_ffn_hidden_size",
-        "moe.max_tokens_per_rank", "moe.router_num_groups", "moe.router_group_topk",
-        "train.steps", "train.stop_at", "train.micro_batch_size", "train.grad_accum_steps", "train.lr", "run.log_every",
-        "run.peak_tflops", "run.profile_at", "run.profile_steps",
-    )
-    for dotted, value in (("run.plot_every", r.plot_every), ("run.save_every", r.save_every),
-                          ("train.warmup_steps", t.warmup_steps), ("train.min_lr", t.min_lr),
-                          ("train.weight_decay", t.weight_decay), ("train.clip_grad", t.clip_grad),
-                          ("moe.aux_loss_coeff", moe.aux_loss_coeff), ("data.eod_token", d.eod_token),
-                          ("train.gc_every", t.gc_every)):
-        if value < 0:
-            raise RecipeError(dotted, f"must be >= 0, got {value!r}")
-    if not r.dir:
-        raise RecipeError("run.dir", "must not be empty")
-    if r.profile_at is not None and r.profile_at + r.profile_steps - 1 > t.steps:
-        raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit in train.steps={t.steps}")
-    if r.profile_at is not None and t.stop_at is not None and r.profile_at <= t.stop_at < r.profile_at + r.profile_steps - 1:
-        # the invocation would end with the profiler open: no trace, no profile summary, silently
-        raise RecipeError("run.profile_at", f"steps {r.profile_at}..{r.profile_at + r.profile_steps - 1} do not fit before train.stop_at={t.stop_at}")
-    if t.min_lr > t.lr:
-        raise RecipeError("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
-    for dotted, value in (("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)):
-        if not 0 <= value < 1:
-            raise RecipeError(dotted, f"must be in [0, 1), got {value}")
-    if t.adam_moments_dtype == "bf16":
-        needs = {"parallel.device": (p.device == "cuda", "cuda"), "model.dtype": (m.dtype == "bf16", "bf16"),
-                 "train.fused_optimizer": (t.fused_optimizer, "true"),
-                 "train.adam_writes_model_params": (t.adam_writes_model_params, "true"),
-                 "train.use_distributed_optimizer": (not t.use_distributed_optimizer, "false")}
-        for dotted, (ok, want) in needs.items():
-            if not ok:
-                raise RecipeError("train.adam_moments_dtype", f"bf16 moments are kept by the AdamW kernel, which needs {dotted}: {want}")
-        if t.adam_beta2 > 0.99:
-            raise RecipeError("train.adam_moments_dtype", f"bf16 exp_avg_sq with adam_beta2={t.adam_beta2}: its per-step decay "
-                              f"{1 - t.adam_beta2:.2g} is too small for bf16's rounding step, it would stall; keep fp32 "
-                              "moments or use adam_beta2 <= 0.99")
-
-    # parallel sizes
-    if p.world_size % p.tensor_parallel:
-        raise RecipeError("parallel.tensor_parallel", f"{p.tensor_parallel} does not divide parallel.world_size={p.world_size}")
-    if p.world_size % p.expert_parallel:
-        raise RecipeError("parallel.expert_parallel", f"{p.expert_parallel} does not divide parallel.world_size={p.world_size}")
-    if moe.num_experts % p.expert_parallel:
-        raise RecipeError("parallel.expert_parallel", f"{p.expert_parallel} does not divide moe.num_experts={moe.num_experts}")
-    if m.num_attention_heads % p.tensor_parallel:
-        raise RecipeError("parallel.tensor_parallel", f"{p.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}")
-    if p.tensor_parallel > 1 and moe.megamoe_recipe is not None:
-        raise RecipeError("parallel.tensor_parallel", "MegaMoE layers support tensor_parallel 1 only (use expert_parallel)")
-    if p.tensor_parallel > 1:  # the stock MoELayer's forward raises in training under TP without sequence parallelism
-        raise RecipeError("parallel.tensor_parallel", "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
-                          "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)")
-
-    # model shapes
-    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-        raise RecipeError("model.num_attention_heads", f"{m.num_attention_heads} does not divide model.hidden_size={m.hidden_size} (or set model.kv_channels)")
-    if m.num_query_groups is not None:
-        if m.num_attention_heads % m.num_query_groups:
-            raise RecipeError("model.num_query_groups", f"{m.num_query_groups} does not divide model.num_attention_heads={m.num_attention_heads}")
-        if m.num_query_groups % p.tensor_parallel:
-            raise RecipeError("parallel.tensor_parallel", f"{p.tensor_parallel} does not divide model.num_query_groups={m.num_query_groups}")
-    if m.position_embedding == "rope":
-        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-        if head_dim % 2:
-            raise RecipeError("model.position_embedding", f"rope needs an even head dim, got {head_dim}")
-    if m.vocab_size % p.tensor_parallel:
-        raise RecipeError("model.vocab_size", f"{m.vocab_size} is not divisible by parallel.tensor_parallel={p.tensor_parallel}")
-    if isinstance(m.moe_layer_freq, list):
-        if len(m.moe_layer_freq) != m.num_layers or any(v not in (0, 1) for v in m.moe_layer_freq):
-            raise RecipeError("model.moe_layer_freq", f"a list must hold {m.num_layers} entries of 0/1 (one per layer), got {m.moe_layer_freq}")
-        if not any(m.moe_layer_freq):
-            raise RecipeError("model.moe_layer_freq", "no MoE layer")
-    elif m.moe_layer_freq <= 0 or m.moe_layer_freq > m.num_layers:
-        raise RecipeError("model.moe_layer_freq", f"must be in 1..model.num_layers={m.num_layers}, got {m.moe_layer_freq}")
-    if d.eod_token >= m.vocab_size:
-        raise RecipeError("data.eod_token", f"{d.eod_token} is not below model.vocab_size={m.vocab_size}")
-
-    # MoE
-    if moe.topk > moe.num_experts:
-        raise RecipeError("moe.topk", f"{moe.topk} exceeds moe.num_experts={moe.num_experts}")
-    if (moe.router_num_groups is None) != (moe.router_group_topk is None):
-        raise RecipeError("moe.router_group_topk", "set both moe.router_num_groups and moe.router_group_topk, or neither")
-    if moe.router_num_groups is not None:
-        if moe.num_experts % moe.router_num_groups:
-            raise RecipeError("moe.router_num_groups", f"{moe.router_num_groups} does not divide moe.num_experts={moe.num_experts}")
-        if moe.router_group_topk > moe.router_num_groups:
-            raise RecipeError("moe.router_group_topk", f"{moe.router_group_topk} exceeds moe.router_num_groups={moe.router_num_groups}")
-        if moe.topk > moe.router_group_topk * (moe.num_experts // moe.router_num_groups):
-            raise RecipeError("moe.topk", f"{moe.topk} exceeds the experts of the selected groups")
-    if moe.router_expert_bias and moe.router_score_function != "sigmoid":
-        raise RecipeError("moe.router_expert_bias", "needs moe.router_score_function: sigmoid (Megatron ignores the bias with softmax)")
-    if moe.router_pre_softmax and moe.router_score_function != "softmax":
-        raise RecipeError("moe.router_pre_softmax", "only applies to moe.router_score_function: softmax")
-    if moe.megamoe_recipe is not None:
-        if moe.megamoe_recipe not in MEGAMOE_RECIPES:
-            raise RecipeError("moe.megamoe_recipe", f"unknown recipe {moe.megamoe_recipe!r}; choose one of {', '.join(MEGAMOE_RECIPES)} or null (stock Megatron MoE)")
-        if recipe.max_tokens_per_rank < t.micro_batch_size * m.seq_length:
-            raise RecipeError("moe.max_tokens_per_rank", f"{moe.max_tokens_per_rank} is below the tokens one rank routes per step "
-                              f"(train.micro_batch_size * model.seq_length = {t.micro_batch_size * m.seq_length})")
-        if moe.megamoe_cuda_graph and recipe.parallel.device != "cuda":
-            raise RecipeError("moe.megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
-        _check_megamoe_shapes(recipe)
-
-    # data
-    if d.path is not None:
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(d.path + ext):
-                raise RecipeError("data.path", f"{d.path + ext} not found (data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)")
+    """Checks that need no hardware (sizes, divisibility, names, files), section by section.
+    Raises RecipeError."""
+    for section in recipe.sections():
+        section.check_ranges()
+    for section in recipe.sections():
+        section.check(recipe)
     return recipe
 
 

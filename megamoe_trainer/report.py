@@ -1,11 +1,13 @@
-"""Run outputs of `megamoe-train` (rank 0 only): the metrics log, the progress line and the
-progress plot."""
+"""Run outputs of `megamoe-train`: the metrics log, the progress line, the progress plot and the
+closing lines (rank 0), and RUN/summary.json (`write_summary`, collective)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import statistics
+import time
 
 from megamoe_train.protocol import WAIT_SITES
 
@@ -126,6 +128,50 @@ class ProgressReport:
 
     def plot(self):
         plot_progress(self.metrics.records, self.plot_path, self.title)
+
+    def finish(self, summary: dict, start_step: int, last: int, run_start: float):
+        """The final plot and closing lines of an invocation that ran steps start_step+1..last
+        from time.perf_counter() run_start."""
+        records = self.metrics.records
+        if not records:
+            return
+        self.plot()
+        wall = time.perf_counter() - run_start
+        recipe, mfu = self.recipe, self.mfu
+        tps = summary["tokens_per_s"]
+        # the first steps carry compilation and allocator warm-up: give the steady rate beside the mean
+        # (this invocation's steps: after a resume the records also hold the earlier invocations')
+        ran = [r for r in records if r["step"] > start_step]
+        warm = min(5, len(ran) // 4)
+        steady = statistics.median(r["tokens_per_s"] for r in ran[warm:])
+        print(f"[megamoe-train] {'done' if last == recipe.train.steps else 'stopped (train.stop_at)'}: "
+              f"steps {start_step + 1}..{last} in {wall:.1f} s "
+              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
+              f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+              f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {self.metrics.path} | plot {self.plot_path}", flush=True)
+        if summary["peak_memory_gib"]:
+            print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
+
+
+def write_summary(device: str, tokens: int, seconds: float, profiler, run_dir: str) -> dict:
+    """RUN/summary.json (written by rank 0): tokens/s over this invocation's steps, peak memory of
+    every GPU, the step profile of every rank. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    local = {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+             "profile": profiler.summary if profiler is not None else None}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    summary = {
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "peak_memory_gib": [p["peak_memory_gib"] for p in parts] if device == "cuda" else None,
+        "profile": [p["profile"] for p in parts] if profiler is not None else None,
+    }
+    if dist.get_rank() == 0:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
 
 
 _WARNED = False

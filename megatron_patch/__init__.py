@@ -6,8 +6,9 @@
 
 Megatron-LM: `--spec megatron_patch.spec get_megamoe_gpt_decoder_block_spec`. HybridModel:
 `get_megamoe_hybrid_stack_spec(config, stack_spec)`.
-On CPU-only hosts call `megatron_patch.cpu_compat.apply()` first. `use_fused_router_topk()` makes
-the router's expert selection one Triton kernel per call on the GPU (routing.py).
+On CPU-only hosts call `megatron_patch.cpu_compat.apply()` first. The general speed-ups that
+stand in for Transformer Engine / Apex on machines without them (fused router top-k, dense wgrad
+fusion, ...) are the trainer's, not the adapter's: `megamoe_trainer/perf/`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from .config import (
     megamoe_config,
     validate_megamoe,
 )
-from .dense_wgrad import use_dense_wgrad_fusion
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
-from .routing import use_fused_router_topk
 from .spec import (
     get_megamoe_gpt_decoder_block_spec,
     get_megamoe_gpt_layer_spec,
@@ -51,7 +50,5 @@ __all__ = [
     "megamoe_config",
     "register_megakernel_backend",
     "routing_to_topk",
-    "use_dense_wgrad_fusion",
-    "use_fused_router_topk",
     "validate_megamoe",
 ]

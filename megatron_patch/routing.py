@@ -1,28 +1,15 @@
-"""Megatron's router output on the GPU in fewer kernels: the top-k expert selection in one
-Triton kernel, and the dense routing map turned into per-token expert slots in another.
+"""The routing map of Megatron's router turned into per-token expert slots in one Triton kernel
+on the GPU (`routing_map_slots`): what the MegaMoE layer's `routing_to_topk` runs instead of a
+stable argsort of the [T, E] map to list each token's experts in ascending id order.
 
-Without Transformer Engine, megatron's router (`moe_utils.topk_routing_with_score_function`)
-selects experts with torch.topk: group-limited routing runs three of them per call (top-2 per
-group, top groups, top-k of the kept experts) plus a scatter, an expand and a masked fill, and the
-sequence-wise aux loss (`compute_routing_scores_for_aux_loss`) a fourth. Each is a radix select
-per row; together ~7.4 ms of a DeepSeek-V3 proxy step (NOTES.md). `use_fused_router_topk()` makes
-the selection one kernel per call and hands it to megatron, which still computes the
-probabilities, their normalization, scaling, aux losses and gradients itself: only *which*
-experts are chosen comes from here. For distinct scores that is the set torch.topk picks; on
-exact ties the lower expert id wins (torch.topk leaves ties unspecified).
-
-`routing_map_slots` replaces the stable argsort of the [T, E] routing map that `routing_to_topk`
-ran to list each token's experts in ascending id order.
-
-Both kernels run on CUDA tensors (and on CPU ones under TRITON_INTERPRET=1, for the tests);
-elsewhere, for shapes they do not cover, or where megatron does not rank fp32 scores (softmax
-without pre-softmax ranks the logits in moe_router_dtype: fp64 logits, and the bf16 / fp16 group
-sums of group-limited routing), megatron's torch code runs unchanged.
+The kernel runs on CUDA tensors (and on CPU ones under TRITON_INTERPRET=1, for the tests);
+elsewhere, or for shapes it does not cover, `argsort_slots` gives the same slots in torch ops.
+`kernels_run_on`, ROWS and MAX_EXPERTS are shared with the trainer's fused router top-k
+(`megamoe_trainer/perf/router_topk.py`), which stands in for Transformer Engine's fused router.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import torch
@@ -33,49 +20,18 @@ try:
 except ImportError:  # CPU-only installs without triton: the torch paths run
     triton = None
 
-__all__ = ["select_topk", "routing_map_slots", "argsort_slots", "use_fused_router_topk", "fused_router_topk_installed"]
+__all__ = ["routing_map_slots", "argsort_slots", "kernels_run_on", "ROWS", "MAX_EXPERTS"]
 
 ROWS = 16  # tokens per program
 MAX_EXPERTS = 1024  # one row of scores lives in registers
 
 
-def _kernels_run_on(t: torch.Tensor) -> bool:
+def kernels_run_on(t: torch.Tensor) -> bool:
+    """Whether this module's Triton kernels can run on `t`: a CUDA tensor, or any under TRITON_INTERPRET=1."""
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 if triton is not None:
-
-    @triton.jit
-    def _select_topk_kernel(scores, out, T, E, stride, K: tl.constexpr, EP: tl.constexpr, G: tl.constexpr,
-                            GK: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr):
-        """out[t, :K] = the K largest of scores[t] (fp32 [T, E]), largest first; with G groups
-        (G > 1, E = EP) only experts of the GK groups with the largest sum of their top M scores."""
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, EP)
-        live = rows < T
-        s = tl.load(scores + rows[:, None].to(tl.int64) * stride + cols[None, :],
-                    mask=live[:, None] & (cols[None, :] < E), other=float("-inf"))
-        if G > 1:
-            EG: tl.constexpr = EP // G
-            x = tl.reshape(s, [ROWS, G, EG])
-            within = tl.arange(0, EG)
-            group_score = tl.zeros([ROWS, G], dtype=tl.float32)
-            for _ in tl.static_range(M):  # the group's top M, largest first (megatron sums them so)
-                best = tl.argmax(x, axis=2)
-                group_score += tl.max(x, axis=2)
-                x = tl.where(within[None, None, :] == best[:, :, None], float("-inf"), x)
-            groups = tl.arange(0, G)
-            chosen = tl.zeros([ROWS, G], dtype=tl.int32)
-            for _ in tl.static_range(GK):
-                hit = groups[None, :] == tl.argmax(group_score, axis=1)[:, None]
-                chosen = tl.where(hit, 1, chosen)
-                group_score = tl.where(hit, float("-inf"), group_score)
-            keep = tl.reshape(tl.broadcast_to(chosen[:, :, None], [ROWS, G, EG]), [ROWS, EP])
-            s = tl.where(keep != 0, s, float("-inf"))
-        for j in tl.static_range(K):
-            best = tl.argmax(s, axis=1)  # ties: the lowest index
-            tl.store(out + rows.to(tl.int64) * K + j, best.to(tl.int64), mask=live)
-            s = tl.where(cols[None, :] == best[:, None], float("-inf"), s)
 
     @triton.jit
     def _routing_map_slots_kernel(routing_map, out, T, E, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
@@ -95,32 +51,6 @@ if triton is not None:
                  mask=live[:, None] & (slots[None, :] < K))
 
 
-def select_topk(scores: torch.Tensor, topk: int, num_groups: int | None = None,
-                group_topk: int | None = None) -> torch.Tensor | None:
-    """int64 [T, topk]: each row's topk largest scores' expert ids, largest first, with megatron's
-    group-limited rule when group_topk is set (num_groups groups of E / num_groups experts; keep
-    the group_topk groups whose top topk / group_topk scores sum highest). None where the kernel
-    does not apply (not on the GPU, a shape it does not cover): then use torch."""
-    if scores.dim() != 2 or not _kernels_run_on(scores):
-        return None
-    T, E = scores.shape
-    if E > MAX_EXPERTS or topk > E or scores.dtype != torch.float32 or scores.stride(1) != 1:
-        return None
-    EP = triton.next_power_of_2(E)
-    G, GK, M = 1, 1, 1
-    if group_topk:
-        G, GK = int(num_groups), int(group_topk)
-        # the kernel views a row as [G, E / G]: both powers of two; megatron's own requirements too
-        if E != EP or E % G or G & (G - 1) or topk % GK or GK * (E // G) < topk:
-            return None
-        M = topk // GK
-    out = torch.empty(T, topk, dtype=torch.int64, device=scores.device)
-    if T:
-        _select_topk_kernel[(triton.cdiv(T, ROWS),)](scores, out, T, E, scores.stride(0), K=topk, EP=EP, G=G, GK=GK, M=M,
-                                                      ROWS=ROWS, num_warps=4)
-    return out
-
-
 def argsort_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
     """routing_map_slots in torch ops (a stable descending argsort of the map): any device."""
     idx = torch.argsort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)[:, :topk]
@@ -131,7 +61,7 @@ def routing_map_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor | No
     """int64 [T, topk]: each row's set experts of a bool routing map [T, E] in ascending id order,
     -1 after them (what a stable descending argsort of the map gives, cut to topk). None where
     the kernel does not apply."""
-    if routing_map.dim() != 2 or routing_map.dtype != torch.bool or not _kernels_run_on(routing_map):
+    if routing_map.dim() != 2 or routing_map.dtype != torch.bool or not kernels_run_on(routing_map):
         return None
     T, E = routing_map.shape
     if E > MAX_EXPERTS:
@@ -143,105 +73,3 @@ def routing_map_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor | No
                                                            KP=triton.next_power_of_2(topk),
                                                            EP=triton.next_power_of_2(E), ROWS=ROWS, num_warps=4)
     return out
-
-
-# ----------------------------------------------------------------------------- megatron's router
-
-
-def _routing_scores(logits: torch.Tensor, score_function: str, use_pre_softmax: bool, expert_bias,
-                    grouped: bool = False) -> torch.Tensor | None:
-    """The fp32 scores megatron's top-k ranks the experts by (None: a score function not known
-    here, or scores megatron does not rank in fp32)."""
-    if score_function == "softmax":
-        if use_pre_softmax:
-            return torch.softmax(logits, dim=-1, dtype=torch.float32)
-        # megatron ranks the logits themselves, in their own dtype: fp64 ones do not survive a cast
-        # to fp32 (distinct logits can become equal), and with group-limited routing it sums each
-        # group's top scores in that dtype (bf16 sums tie where fp32 ones do not)
-        if logits.dtype == torch.float64 or (grouped and logits.dtype != torch.float32):
-            return None
-        return logits.float()
-    if score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
-    elif score_function == "sqrtsoftplus":
-        scores = torch.nn.functional.softplus(logits.float()).sqrt()
-    else:
-        return None
-    return scores + expert_bias.float() if expert_bias is not None else scores
-
-
-def fused_topk_routing(original):
-    """megatron's topk_routing_with_score_function with the selection from select_topk, passed
-    in as its `precomputed_indices`."""
-    signature = inspect.signature(original)
-
-    def topk_routing_with_score_function(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        if not a["fused"] and a["precomputed_indices"] is None and a.get("router_replay") is None:
-            with torch.no_grad():
-                scores = _routing_scores(a["logits"], a["score_function"], a["use_pre_softmax"], a["expert_bias"],
-                                         grouped=bool(a["group_topk"]))
-                if scores is not None:
-                    a["precomputed_indices"] = select_topk(scores, a["topk"], a["num_groups"], a["group_topk"])
-        return original(*bound.args, **bound.kwargs)
-
-    topk_routing_with_score_function.__doc__ = original.__doc__
-    topk_routing_with_score_function.__wrapped_original__ = original
-    return topk_routing_with_score_function
-
-
-def fused_aux_loss_scores(original):
-    """megatron's compute_routing_scores_for_aux_loss with the routing map from select_topk:
-    megatron's own function is asked for its scores with topk = 0 (its top-k then selects
-    nothing), and the map is scattered from the kernel's selection over those scores. Padding
-    rows keep megatron's handling: their scores and map entries are zeroed after selection."""
-    signature = inspect.signature(original)
-
-    def compute_routing_scores_for_aux_loss(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        if a["fused"] or not _kernels_run_on(a["logits"]):
-            return original(*bound.args, **bound.kwargs)
-        topk = a["topk"]
-        a["topk"] = 0
-        routing_map, scores = original(*bound.args, **bound.kwargs)
-        idx = select_topk(scores.detach(), topk)
-        if idx is None:
-            a["topk"] = topk
-            return original(*bound.args, **bound.kwargs)
-        routing_map = torch.zeros_like(routing_map).scatter_(1, idx, True)
-        if a.get("padding_mask") is not None:
-            routing_map &= (~a["padding_mask"]).unsqueeze(-1)
-        return routing_map, scores
-
-    compute_routing_scores_for_aux_loss.__doc__ = original.__doc__
-    compute_routing_scores_for_aux_loss.__wrapped_original__ = original
-    return compute_routing_scores_for_aux_loss
-
-
-_originals: dict = {}
-
-
-def use_fused_router_topk() -> bool:
-    """Route megatron's router top-k selections through select_topk (process-global, idempotent;
-    CUDA tensors only, everything else runs megatron's code). False if this megatron's router
-    functions lack the arguments relied on (`precomputed_indices`, aux-loss `topk`)."""
-    from megatron.core.transformer.moe import router
-
-    if _originals:
-        return True
-    routing, aux = router.topk_routing_with_score_function, router.compute_routing_scores_for_aux_loss
-    if "precomputed_indices" not in inspect.signature(routing).parameters or \
-            not {"logits", "topk", "fused"} <= set(inspect.signature(aux).parameters):
-        return False
-    _originals.update(routing=routing, aux=aux)
-    router.topk_routing_with_score_function = fused_topk_routing(routing)
-    router.compute_routing_scores_for_aux_loss = fused_aux_loss_scores(aux)
-    return True
-
-
-def fused_router_topk_installed() -> bool:
-    return bool(_originals)

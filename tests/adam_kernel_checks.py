@@ -1,4 +1,4 @@
-"""Checks of megamoe_trainer.adam_kernel and the AdamW step that writes the model's bf16 params,
+"""Checks of megamoe_trainer.perf.adam_kernel and the AdamW step that writes the model's bf16 params,
 against torch's AdamW followed by megatron's fp32 -> bf16 copy, on fresh random tensors.
 
 Run on CPU under Triton's interpreter (tests/trainer/test_adam_kernel.py does:
@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megamoe_trainer import fused_optimizer as fo  # noqa: E402
-from megamoe_trainer.adam_kernel import BLOCK, adamw_update  # noqa: E402
+from megamoe_trainer.perf import fused_optimizer as fo  # noqa: E402
+from megamoe_trainer.perf.adam_kernel import BLOCK, adamw_update  # noqa: E402
 
 SHAPES = ((7, 5), (BLOCK + 3,), (3, 4, 9), (1,), (2, BLOCK))  # partial blocks, one element, whole blocks
 KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -1,4 +1,5 @@
-"""Checks of megatron_patch.routing's kernels against megatron's torch router, one device.
+"""Checks of the router kernels (megamoe_trainer.perf.router_topk's top-k selection, megatron_patch.routing's
+routing-map slots) against megatron's torch router, one device.
 
 On CPU through Triton's interpreter (`TRITON_INTERPRET=1 python tests/routing_kernel_checks.py`,
 run by tests/megatron/test_routing.py); on CUDA by tests/megatron/test_adapter_gpu.py. Scores
@@ -30,7 +31,7 @@ def _reference_topk(scores, topk, num_groups, group_topk):
 
 
 def check_select_topk(device):
-    from megatron_patch.routing import select_topk
+    from megamoe_trainer.perf.router_topk import select_topk
 
     gen = torch.Generator(device=device).manual_seed(1)
     for T, E, K, G, GK in ROUTER_CASES:
@@ -52,7 +53,7 @@ def check_router_functions(device):
     """The wrapped megatron functions return what megatron's own return, gradients included."""
     from megatron.core.transformer.moe import moe_utils
 
-    from megatron_patch.routing import fused_aux_loss_scores, fused_topk_routing
+    from megamoe_trainer.perf.router_topk import fused_aux_loss_scores, fused_topk_routing
 
     routing = fused_topk_routing(moe_utils.topk_routing_with_score_function)
     gen = torch.Generator(device=device).manual_seed(2)

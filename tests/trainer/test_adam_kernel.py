@@ -1,4 +1,4 @@
-"""megamoe_trainer.adam_kernel (AdamW writing the bf16 model params) against torch's AdamW plus
+"""megamoe_trainer.perf.adam_kernel (AdamW writing the bf16 model params) against torch's AdamW plus
 megatron's main -> model copy: on CPU under Triton's interpreter, on CUDA directly, and a short
 CUDA training run with the kernel against one without it."""
 
@@ -34,7 +34,7 @@ def test_bf16_moments_compile_to_round_to_nearest_even_on_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from megamoe_trainer import adam_kernel as ak
+    from megamoe_trainer.perf import adam_kernel as ak
 
     kernel = ak._adamw_kernel
     signature = {"param_ptr": "*fp32", "grad_ptr": "*fp32", "exp_avg_ptr": "*bf16", "exp_avg_sq_ptr": "*bf16",
@@ -79,7 +79,7 @@ def test_training_with_the_adam_kernel_matches_torch_adam(tmp_path):
                 "--set", "model.dtype=bf16", "--set", "run.checkpoint=false", "--set", "run.plot_every=0",
                 "--set", "run.log_every=1",
                 "--set", "moe.megamoe_recipe=fp8", "--set", "train.lr=1e-2", "--set", "train.warmup_steps=1",
-                "--set", f"train.adam_writes_model_params={on}"]
+                "--set", f"perf.adam_writes_model_params={on}"]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run([sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)

@@ -47,7 +47,7 @@ def compare_with_megatron(rank, world, groups, explicit_mask, softmax_scale, lay
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megamoe_trainer.attention import SDPAttention
+    from megamoe_trainer.perf.attention import SDPAttention
 
     _init()
     # on a GPU machine: CUDA tensors in bf16 (flash / efficient kernels), else CPU fp32
@@ -89,7 +89,7 @@ def spec_swap(rank, world):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megamoe_trainer.attention import SDPAttention, use_sdpa_core_attention
+    from megamoe_trainer.perf.attention import SDPAttention, use_sdpa_core_attention
 
     _init()
     cfg = _config(num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1])

@@ -106,7 +106,9 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
         # stock MoE under TP: Megatron's MoELayer raises in training without sequence parallelism
         (["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "moe.megamoe_recipe=null"], "parallel.tensor_parallel"),
-        (["model.attention=flash"], "model.attention"),
+        (["model.attention=flash"], "model.attention"),  # the old name of perf.attention, as written
+        (["perf.attention=flash"], "perf.attention"),
+        (["perf.gc_every=-1"], "perf.gc_every"),
         (["run.peak_tflops=0"], "run.peak_tflops"),
         (["train.steps=10", "run.profile_at=9"], "run.profile_at"),  # steps 9..11 do not fit
         (["train.stop_at=4", "run.profile_at=3"], "run.profile_at"),  # steps 3..5: the invocation ends at 4
@@ -130,6 +132,31 @@ def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
     with pytest.raises(RecipeError) as info:
         load_recipe(path, overrides)
     assert info.value.key == key
+
+
+def test_moved_keys_are_read_at_their_new_place(tmp_path, capsys):
+    """The speed-up switches of earlier recipes (train.fused_optimizer, model.attention, ...: now
+    in `perf`, recipe.MOVED_KEYS) still work in a recipe file and in --set, and errors name them
+    as written; set under both names they are refused."""
+    from megamoe_trainer.recipe import MOVED_KEYS
+
+    assert set(MOVED_KEYS.values()) == {f"perf.{f}" for f in load_recipe(TINY, deep=False).perf.__dataclass_fields__}
+    old = _write(tmp_path, BASE + "train: {fused_optimizer: false, manual_gc: true}\nmodel: {attention: megatron}\n", "old.yaml")
+    recipe = load_recipe(old, ["moe.fused_router_topk=false"], deep=False)
+    p = recipe.perf
+    assert (p.fused_optimizer, p.manual_gc, p.attention, p.fused_router_topk) == (False, True, "megatron", False)
+    assert load_recipe(old, ["perf.manual_gc=false"], deep=False).perf.manual_gc is False  # --set wins, either name
+    with pytest.raises(RecipeError) as info:
+        load_recipe(old, ["train.gc_every=-1"], deep=False)
+    assert info.value.key == "train.gc_every"
+    both = _write(tmp_path, BASE + "train: {manual_gc: true}\nperf: {manual_gc: false}\n", "both.yaml")
+    assert cli_main([both, "--check"]) == 2
+    assert "error: train.manual_gc: is the old name of perf.manual_gc" in capsys.readouterr().err
+    assert cli_main([old, "--check"]) == 0  # printed in the new layout
+    import yaml
+
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["perf"]["fused_optimizer"] is False and "fused_optimizer" not in printed["train"]
 
 
 @pytest.mark.parametrize("name", ["123", "yes", "exp #2", "a: b", "null", "ü [1]"])
@@ -192,7 +219,7 @@ def test_train_checkpoint_resume(tmp_path):
     assert all(sum(r["ep_rank_load"]) == sum(map(sum, r["expert_load"])) for r in first)
     # every expert-parallel rank's barrier wait for its peers that step (the barriers' own counter)
     assert all(len(r["peer_wait_ms"]) == 2 and min(r["peer_wait_ms"]) >= 0 for r in first), first
-    # and every one's host time in Python garbage collection (train.manual_gc: the scheduled ones)
+    # and every one's host time in Python garbage collection (perf.manual_gc: the scheduled ones)
     assert all(len(r["host_gc_ms"]) == 2 and min(r["host_gc_ms"]) >= 0 for r in first), first
     assert "peer wait" in out, out
     # split by the barrier that waited (forward / backward, first / push barrier)
@@ -318,10 +345,10 @@ def test_data_parallel_mean_matches_one_rank(tmp_path):
 
 
 def test_dense_wgrad_fusion_matches_ddp_accumulation(tmp_path):
-    """train.dense_wgrad_fusion (Megatron's gradient_accumulation_fusion through
-    megatron_patch.dense_wgrad): on CPU its fallback adds the bf16 wgrad into main_grad itself and
+    """perf.dense_wgrad_fusion (Megatron's gradient_accumulation_fusion through
+    megamoe_trainer.perf.dense_wgrad): on CPU its fallback adds the bf16 wgrad into main_grad itself and
     DDP's hook skips its add, so the steps are the unfused run's bit for bit, over 2 micro-batches."""
-    runs = _fused_and_unfused(tmp_path, "train.dense_wgrad_fusion")
+    runs = _fused_and_unfused(tmp_path, "perf.dense_wgrad_fusion")
     assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
 
 

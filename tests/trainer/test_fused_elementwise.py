@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_trainer import fused_elementwise
+from megamoe_trainer.perf import fused_elementwise
 from megamoe_trainer.model import transformer_config
 from megamoe_trainer.recipe import Recipe, runs_on_cuda
 
@@ -22,7 +22,7 @@ def test_cross_entropy_fusion_only_on_cuda():
     r = Recipe()
     assert transformer_config(r, on_gpu=True).cross_entropy_loss_fusion
     assert not transformer_config(r).cross_entropy_loss_fusion  # CPU ranks, and the validator's config
-    r.model.fused_cross_entropy = False
+    r.perf.fused_cross_entropy = False
     assert not transformer_config(r, on_gpu=True).cross_entropy_loss_fusion
 
 

@@ -1,4 +1,4 @@
-"""The multi-tensor shims of megamoe_trainer.fused_optimizer against plain per-tensor math, and
+"""The multi-tensor shims of megamoe_trainer.perf.fused_optimizer against plain per-tensor math, and
 fused AdamW (as use_fused_adam sets it) against torch's default AdamW, on fresh random tensors."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_trainer import fused_optimizer as fo
+from megamoe_trainer.perf import fused_optimizer as fo
 
 
 def _tensors(seed, shapes=((7, 5), (300,), (3, 4, 9), (1,))):

@@ -1,10 +1,10 @@
-"""The training loop's garbage-collector control (megamoe_trainer/host_gc.py)."""
+"""The training loop's garbage-collector control (megamoe_trainer/perf/host_gc.py)."""
 
 import gc
 
 import pytest
 
-from megamoe_trainer.host_gc import HostGC
+from megamoe_trainer.perf.host_gc import HostGC
 
 
 @pytest.fixture

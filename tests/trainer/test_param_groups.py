@@ -36,14 +36,15 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megamoe_trainer import checkpoint as ckpt
     from megamoe_trainer.recipe import load_recipe
-    from megamoe_trainer.train import _init_parallel, _set_lr, _set_recipe_hyperparams
+    from megamoe_trainer.rank_setup import init_parallel
+    from megamoe_trainer.step import set_lr, set_recipe_hyperparams
 
     run = sys.argv[2]
-    _init_parallel(load_recipe(os.path.join(sys.argv[1], "recipes", "tiny_moe_cpu.yaml"),
-                               ["parallel.world_size=1", "parallel.expert_parallel=1"]), "cpu")
+    init_parallel(load_recipe(os.path.join(sys.argv[1], "recipes", "tiny_moe_cpu.yaml"),
+                              ["parallel.world_size=1", "parallel.expert_parallel=1"]), "cpu")
     recipe, model, optimizer = build(["train.weight_decay=0.5"])
-    _set_recipe_hyperparams(optimizer, recipe)
-    _set_lr(optimizer, 0.1)
+    set_recipe_hyperparams(optimizer, recipe)
+    set_lr(optimizer, 0.1)
     # a step with zero gradients: Adam's update is 0, only the decoupled weight decay moves weights
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     model.zero_grad_buffer()
@@ -59,7 +60,7 @@ def main():
     ckpt.save_checkpoint(run, 1, 2, model, optimizer, "cpu", {})
     recipe2, model2, optimizer2 = build(["train.weight_decay=0.1", "train.adam_beta2=0.9"])
     ckpt.load_checkpoint(ckpt.latest_checkpoint(run), model2, optimizer2, "cpu")
-    _set_recipe_hyperparams(optimizer2, recipe2)
+    set_recipe_hyperparams(optimizer2, recipe2)
     for group in optimizer2.param_groups:
         assert group["betas"] == (0.9, 0.9), group["betas"]
         assert group["weight_decay"] == 0.1 * group["wd_mult"], (group["weight_decay"], group["wd_mult"])

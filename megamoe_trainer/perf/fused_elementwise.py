@@ -11,8 +11,8 @@ Megatron's vocab-parallel cross entropy without fusion runs ~10 passes over the 
 own fused variant (`cross_entropy_loss_fusion` with `cross_entropy_fusion_impl="native"`) needs no
 Transformer Engine and is switched on in `model.transformer_config`.
 
-Both compile on the first step (tens of seconds) and only on CUDA (`model.fused_rope`,
-`model.fused_cross_entropy`).
+Both compile on the first step (tens of seconds) and only on CUDA (`perf.fused_rope`,
+`perf.fused_cross_entropy`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""megatron_patch.dense_wgrad: Megatron's gradient-accumulation fusion for the dense linear layers
+"""megamoe_trainer.perf.dense_wgrad: Megatron's gradient-accumulation fusion for the dense linear layers
 without APEX. CPU: the fallback math (the bits of Megatron's unfused wgrad plus DDP's add), shape
 checks, the installation into Megatron's layers; the trainer's bitwise A/B is in
 tests/trainer/test_cli.py. The CUDA path (the CUTLASS accumulating GEMM) is checked under `gpu`."""
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_patch import dense_wgrad  # noqa: E402
+from megamoe_trainer.perf import dense_wgrad  # noqa: E402
 
 
 def _operands(rows, out, inp, device="cpu", seed=0):

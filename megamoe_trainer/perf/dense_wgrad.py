@@ -1,14 +1,15 @@
-"""Megatron's gradient-accumulation fusion for the dense linear layers, without APEX.
+"""Megatron's gradient-accumulation fusion for the dense linear layers, without APEX (recipe key
+`perf.dense_wgrad_fusion`).
 
 With `gradient_accumulation_fusion`, Megatron's linear layers (attention, the dense MLP, the
 output layer) hand their weight gradient straight to `main_grad` (DDP's fp32 accumulator)
 through APEX's `fused_weight_gradient_mlp_cuda` extension, and flag `grad_added_to_main_grad`
 so DDP's hook skips its own `main_grad += grad`. Without APEX, Megatron refuses the setting, and
 every micro-batch pays a bf16 weight gradient written, read back and added into fp32 main_grad
-(on the DeepSeek-V3 proxy the add alone is ~4.3 ms per step; NOTES.md).
+(on the DeepSeek-V3 proxy over 2 H200s the add alone is ~4.3 ms per step).
 
 `use_dense_wgrad_fusion()` gives Megatron's linear layers that extension's two functions, made
-of what this package has:
+of what this repository has:
 - `wgrad_gemm_accum_fp32(input, grad_output, main_grad)`: main_grad += grad_output^T @ input,
   on CUDA by the accumulating CUTLASS GEMM the MegaMoE experts use (one group: the fp32 product
   added unrounded in the epilogue, as APEX does); elsewhere, or for operands that GEMM does not
