@@ -16,20 +16,41 @@ from concurrent.futures import ThreadPoolExecutor
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-CUDA_SOURCES = ["csrc/cuda/fp8_grouped_gemm.cu", "csrc/cuda/fp8_wgrad_grouped_gemm.cu", "csrc/cuda/bf16_grouped_gemm.cu",
-                "csrc/cuda/bf16_wgrad_grouped_gemm.cu", "csrc/cuda/expert_gemm.cu"]
-CUDA_HEADERS = ["csrc/cuda/grouped_gemm.h", "csrc/cuda/grouped_gemm_impl.cuh", "csrc/cuda/expert_gemm.h",
-                "csrc/cuda/expert_gemm_sm90.cuh"]
+CUDA_SOURCES = [
+    "csrc/cuda/fp8_grouped_gemm.cu",
+    "csrc/cuda/fp8_wgrad_grouped_gemm.cu",
+    "csrc/cuda/bf16_grouped_gemm.cu",
+    "csrc/cuda/bf16_wgrad_grouped_gemm.cu",
+    "csrc/cuda/expert_gemm.cu",
+]
+CUDA_HEADERS = [
+    "csrc/cuda/grouped_gemm.h",
+    "csrc/cuda/grouped_gemm_impl.cuh",
+    "csrc/cuda/expert_gemm.h",
+    "csrc/cuda/expert_gemm_sm90.cuh",
+]
 # wgmma and setmaxnreg exist only on the arch-specific Hopper target.
 NVCC_FLAGS = [
-    "-std=c++17", "-O3", "-DNDEBUG", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+    "-std=c++17",
+    "-O3",
+    "-DNDEBUG",
+    "-Xcompiler",
+    "-fPIC",
+    "--expt-relaxed-constexpr",
     "-gencode=arch=compute_90a,code=sm_90a",
 ]
 
 
 def _cuda_lib_dir(home):
     """The toolkit's folder holding the static CUDA runtime, or None."""
-    return next((os.path.join(home, d) for d in ("lib64", "lib") if os.path.exists(os.path.join(home, d, "libcudart_static.a"))), None)
+    return next(
+        (
+            os.path.join(home, d)
+            for d in ("lib64", "lib")
+            if os.path.exists(os.path.join(home, d, "libcudart_static.a"))
+        ),
+        None,
+    )
 
 
 def _find_cuda_home():
@@ -60,7 +81,14 @@ def _cuda_extension():
     if mode == "0":
         return None
     cuda_home, cutlass_include = _find_cuda_home(), _find_cutlass_include()
-    missing = [name for name, found in (("nvcc (CUDA_HOME)", cuda_home), ("CUTLASS headers (pip install nvidia-cutlass)", cutlass_include)) if not found]
+    missing = [
+        name
+        for name, found in (
+            ("nvcc (CUDA_HOME)", cuda_home),
+            ("CUTLASS headers (pip install nvidia-cutlass)", cutlass_include),
+        )
+        if not found
+    ]
     if missing:
         if mode == "1":
             sys.exit(f"MEGAMOE_BUILD_CUDA=1 but not found: {', '.join(missing)}")
@@ -105,8 +133,14 @@ class BuildExt(build_ext):
             obj = os.path.join(self.build_temp, source + ".o")
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             inputs = [source, *ext.cuda_depends]
-            if self.force or not os.path.exists(obj) or any(os.path.getmtime(f) > os.path.getmtime(obj) for f in inputs):
-                commands.append([ext.nvcc, "-c", source, "-o", obj, *NVCC_FLAGS, *(f"-I{d}" for d in ext.nvcc_includes)])
+            if (
+                self.force
+                or not os.path.exists(obj)
+                or any(os.path.getmtime(f) > os.path.getmtime(obj) for f in inputs)
+            ):
+                commands.append(
+                    [ext.nvcc, "-c", source, "-o", obj, *NVCC_FLAGS, *(f"-I{d}" for d in ext.nvcc_includes)]
+                )
             objects.append(obj)
         if not objects:
             return True
@@ -118,8 +152,11 @@ class BuildExt(build_ext):
         if any(codes):
             if ext.cuda_required:
                 sys.exit(f"{ext.name}: nvcc failed (exit codes {codes})")
-            print(f"{ext.name} skipped: nvcc failed (exit codes {codes}); the fp8 GEMMs use the Triton kernel "
-                  "(MEGAMOE_BUILD_CUDA=1 makes this an error)", file=sys.stderr)
+            print(
+                f"{ext.name} skipped: nvcc failed (exit codes {codes}); the fp8 GEMMs use the Triton kernel "
+                "(MEGAMOE_BUILD_CUDA=1 makes this an error)",
+                file=sys.stderr,
+            )
             return False
         ext.extra_objects = list(ext.extra_objects or []) + objects
         return True

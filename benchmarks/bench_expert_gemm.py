@@ -16,7 +16,6 @@ import argparse
 import sys
 
 import torch
-
 from bench_gemm import SHAPES, peaks, pool_sizes
 from timing import hbm_bandwidth, median_ms
 
@@ -70,19 +69,30 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
         cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out)
 
     # agreement first: the fused L1 + L2 against the split path on the same inputs
-    split_l1(); split_swiglu(); l2_cutlass()
+    split_l1()
+    split_swiglu()
+    l2_cutlass()
     ref_h, ref_out = h.clone(), out.clone()
-    fused_l1(); l2_ours()
+    fused_l1()
+    l2_ours()
     torch.cuda.synchronize()
     rows = int(ends[-1])
     err_h = float((h[:rows].float() - ref_h[:rows].float()).norm() / ref_h[:rows].float().norm())
     err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
     del ref_h, ref_out
 
-    t = {name: median_ms(fn, iters=20, warmup=3) for name, fn in (
-        ("split L1", split_l1), ("split SwiGLU", split_swiglu), ("CUTLASS L2", l2_cutlass),
-        ("fused L1+SwiGLU", fused_l1), ("ours L1 plain", ours_l1_plain), ("ours L1 plain single", ours_l1_plain_single),
-        ("ours L2", l2_ours))}
+    t = {
+        name: median_ms(fn, iters=20, warmup=3)
+        for name, fn in (
+            ("split L1", split_l1),
+            ("split SwiGLU", split_swiglu),
+            ("CUTLASS L2", l2_cutlass),
+            ("fused L1+SwiGLU", fused_l1),
+            ("ours L1 plain", ours_l1_plain),
+            ("ours L1 plain single", ours_l1_plain_single),
+            ("ours L2", l2_ours),
+        )
+    }
     f1, f2 = 2.0 * useful * H * 2 * I, 2.0 * useful * I * H
     bytes1 = G * 2 * I * H + useful * H + useful * (2 * I * 2 + I)  # weights, pool, h bf16 + act e4m3
     bytes2 = G * H * I + useful * I + useful * H * 2

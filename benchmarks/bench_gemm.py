@@ -109,18 +109,20 @@ def case(name, sizes, n, k, dgrad, dev):
     # reference: the dequantized product of the first and last group
     first, last = sizes[0], sizes[-1]
     ad, bd = dequantize_act(aq, a_s, FP8), dequantize_weight(bq, b_s, FP8)
-    ref = torch.cat([ad[:first] @ bd[0].t(), ad[m - last:] @ bd[-1].t()])
-    ref_bf16 = torch.cat([a[:first].float() @ b[0].float().t(), a[m - last:].float() @ b[-1].float().t()])
+    ref = torch.cat([ad[:first] @ bd[0].t(), ad[m - last :] @ bd[-1].t()])
+    ref_bf16 = torch.cat([a[:first].float() @ b[0].float().t(), a[m - last :].float() @ b[-1].float().t()])
 
     def err(reference):
-        got = torch.cat([out[:first], out[m - last:]]).float()
+        got = torch.cat([out[:first], out[m - last :]]).float()
         return float((got - reference).norm() / reference.norm())
 
     if cutlass_gemm.available(dev):
         for variant in range(cutlass_gemm._cuda.FP8_VARIANTS):
             for swizzle in SWIZZLES:
                 label = f"cutlass_fp8 v{variant} s{swizzle}"
-                times[label] = bench(lambda: cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant, swizzle))
+                times[label] = bench(
+                    lambda: cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, out, variant, swizzle)
+                )
                 errors[label] = err(ref)
         # bf16: the forward reads W [N, K]; the dgrad reads the same weight untransposed, [K, N]
         layout = "kn" if dgrad else "nk"
@@ -128,11 +130,14 @@ def case(name, sizes, n, k, dgrad, dev):
         for variant in range(cutlass_gemm._cuda.BF16_VARIANTS):
             for swizzle in SWIZZLES:
                 label = f"cutlass_bf16 v{variant} s{swizzle}"
-                times[label] = bench(lambda: cutlass_gemm.bf16_grouped_gemm(a, b_in, ends, out, layout, variant, swizzle))
+                times[label] = bench(
+                    lambda: cutlass_gemm.bf16_grouped_gemm(a, b_in, ends, out, layout, variant, swizzle)
+                )
                 errors[label] = err(ref_bf16)
     if all(size % 128 == 0 for size in sizes):
-        block_expert = torch.repeat_interleave(torch.arange(groups, device=dev),
-                                               torch.tensor(sizes, device=dev) // 128).to(torch.int32)
+        block_expert = torch.repeat_interleave(
+            torch.arange(groups, device=dev), torch.tensor(sizes, device=dev) // 128
+        ).to(torch.int32)
         times["triton_fp8"] = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_m=128))
         errors["triton_fp8"] = err(ref)
     b_torch = b.transpose(1, 2).contiguous().transpose(1, 2) if dgrad else b  # same storage as ours
@@ -142,8 +147,11 @@ def case(name, sizes, n, k, dgrad, dev):
     aq_row = (a.float() / a_row[:, None]).to(torch.float8_e4m3fn)
     bq_row = (b.float() / b_row[:, :, None]).to(torch.float8_e4m3fn)
     try:
-        times["torch_fp8_rowwise"] = bench(lambda: torch._scaled_grouped_mm(
-            aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16))
+        times["torch_fp8_rowwise"] = bench(
+            lambda: torch._scaled_grouped_mm(
+                aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16
+            )
+        )
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:100]}")
     return times, errors
@@ -176,7 +184,9 @@ def wgrad_case(groups, rows_per_group, m, n, dev):
         for variant in range(cutlass_gemm._cuda.FP8_WGRAD_VARIANTS):
             for swizzle in SWIZZLES:
                 label = f"cutlass_fp8 v{variant} s{swizzle}"
-                times[label] = bench(lambda: cutlass_gemm.fp8_wgrad_grouped_gemm(a_tq, a_ts, b_tq, b_ts, ends, out, variant, swizzle))
+                times[label] = bench(
+                    lambda: cutlass_gemm.fp8_wgrad_grouped_gemm(a_tq, a_ts, b_tq, b_ts, ends, out, variant, swizzle)
+                )
                 errors[label] = err(out, ref)
         for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
             for swizzle in SWIZZLES:
@@ -205,8 +215,13 @@ def wgrad_shapes(shapes: str, ep: int):
 
 # the DeepSeek-V3 proxy's dense linear layers (recipes/deepseek_v3_proxy_2gpu_*.yaml: H 2048, 16
 # heads, dense FFN 8192, vocab 32768): (name, out features, in features); one micro-batch's tokens
-DENSE_PROXY = (("attention QKV", 3 * 2048, 2048), ("attention proj", 2048, 2048), ("dense fc1", 2 * 8192, 2048),
-               ("dense fc2", 2048, 8192), ("output layer", 32768, 2048))
+DENSE_PROXY = (
+    ("attention QKV", 3 * 2048, 2048),
+    ("attention proj", 2048, 2048),
+    ("dense fc1", 2 * 8192, 2048),
+    ("dense fc2", 2048, 8192),
+    ("output layer", 32768, 2048),
+)
 DENSE_TOKENS = 8192
 
 
@@ -221,8 +236,10 @@ def wgrad_acc_case(groups, rows_per_group, m, n, dev):
     ref = torch._grouped_mm(a.t(), b, offs=ends).float()
     if cutlass_gemm.available(dev):
         # added into zeros; written over NaN (never read)
-        kinds = (("cutlass_acc", cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, 0.0),
-                 ("cutlass_store32", cutlass_gemm.bf16_wgrad_grouped_gemm, float("nan")))
+        kinds = (
+            ("cutlass_acc", cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, 0.0),
+            ("cutlass_store32", cutlass_gemm.bf16_wgrad_grouped_gemm, float("nan")),
+        )
         for prefix, gemm, start in kinds:
             for variant in range(cutlass_gemm._cuda.BF16_WGRAD_VARIANTS):
                 label = f"{prefix} v{variant}"
@@ -244,26 +261,36 @@ def _speedup(times: dict, prefix: str, baseline: str) -> str:
 
 def _detail(label: str, times: dict, errors: dict) -> str:
     """One line of the closing list: every configuration's time and error of a case."""
-    return f"{label}: " + ", ".join(f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items())
+    return f"{label}: " + ", ".join(
+        f"{key} {v:.3f} ms err {errors.get(key, float('nan')):.1e}" for key, v in times.items()
+    )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="S1,S2,S3,S4")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks the shape is split over")
-    p.add_argument("--routed", action="store_true",
-                   help="fwd: expert groups sized as the layer's pool under uniform routing (padded to 16 rows; "
-                        "TFLOP/s count the routed rows) instead of exactly the mean, rounded up to 128")
-    p.add_argument("--gemms", default="fwd,wgrad,wgrad_acc",
-                   help="fwd (forward and dgrad GEMMs), wgrad (weight gradients), wgrad_acc (accumulated into fp32), "
-                        "dense_acc (the proxy's dense wgrads accumulated into fp32)")
+    p.add_argument(
+        "--routed",
+        action="store_true",
+        help="fwd: expert groups sized as the layer's pool under uniform routing (padded to 16 rows; "
+        "TFLOP/s count the routed rows) instead of exactly the mean, rounded up to 128",
+    )
+    p.add_argument(
+        "--gemms",
+        default="fwd,wgrad,wgrad_acc",
+        help="fwd (forward and dgrad GEMMs), wgrad (weight gradients), wgrad_acc (accumulated into fp32), "
+        "dense_acc (the proxy's dense wgrads accumulated into fp32)",
+    )
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     bf16_peak, fp8_peak, write_gbs = peaks(dev)
     gemms = set(args.gemms.split(","))
-    print(f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
-          f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s, HBM write (fp32 zero_ 4 GiB) {write_gbs:.0f} GB/s; "
-          f"CUTLASS extension: {cutlass_gemm.available(dev)}")
+    print(
+        f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
+        f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s, HBM write (fp32 zero_ 4 GiB) {write_gbs:.0f} GB/s; "
+        f"CUTLASS extension: {cutlass_gemm.available(dev)}"
+    )
     details = []
 
     def best(times, prefix, tf):
@@ -271,26 +298,37 @@ def main():
         if not got:
             return "-"
         key = min(got, key=got.get)
-        return f"{got[key]:.3f} ({tf(got[key]):.0f}) {key[len(prefix):].strip()}"
+        return f"{got[key]:.3f} ({tf(got[key]):.0f}) {key[len(prefix) :].strip()}"
 
     if "fwd" in gemms:
-        print("| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | torch fp8 row-wise | fp8 floor ms |")
+        print(
+            "| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | torch fp8 row-wise | fp8 floor ms |"
+        )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape in args.shapes.split(","):
             E, topk, H, I, T = SHAPES[shape]
             sizes, m = pool_sizes(shape, args.ep, args.routed)
-            for name, n, k, dgrad in (("L1 fwd", 2 * I, H, False), ("L2 fwd", H, I, False), ("L2 dgrad", I, H, True),
-                                      ("L1 dgrad", H, 2 * I, True)):
+            for name, n, k, dgrad in (
+                ("L1 fwd", 2 * I, H, False),
+                ("L2 fwd", H, I, False),
+                ("L2 dgrad", I, H, True),
+                ("L1 dgrad", H, 2 * I, True),
+            ):
                 times, errors = case(name, sizes, n, k, dgrad, dev)
                 tf = lambda ms: 2.0 * m * n * k / ms / 1e9  # noqa: E731
                 floor = 2.0 * m * n * k / fp8_peak / 1e9
-                print(f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | {best(times, 'triton_fp8', tf)} | "
-                      f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {best(times, 'torch_fp8_rowwise', tf)} | {floor:.3f} |", flush=True)
+                print(
+                    f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | {best(times, 'triton_fp8', tf)} | "
+                    f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {best(times, 'torch_fp8_rowwise', tf)} | {floor:.3f} |",
+                    flush=True,
+                )
                 details.append(_detail(f"{shape} {name}", times, errors))
                 torch.cuda.empty_cache()
     if "wgrad" in gemms:
-        print("\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | CUTLASS bf16 ms (TF/s) best config | "
-              "torch bf16 ms (TF/s) | bf16 speedup | fp8 FLOPs floor ms | bf16 FLOPs floor ms | output floor ms |")
+        print(
+            "\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | CUTLASS bf16 ms (TF/s) best config | "
+            "torch bf16 ms (TF/s) | bf16 speedup | fp8 FLOPs floor ms | bf16 FLOPs floor ms | output floor ms |"
+        )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape, name, groups, rows, m, n in wgrad_shapes(args.shapes, args.ep):
             times, errors = wgrad_case(groups, rows, m, n, dev)
@@ -298,38 +336,51 @@ def main():
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
             speedup = _speedup(times, "cutlass_bf16", "torch_bf16")
             out_floor = groups * m * n * 2 / write_gbs / 1e6
-            print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
-                  f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {speedup} | "
-                  f"{flops / fp8_peak / 1e9:.3f} | {flops / bf16_peak / 1e9:.3f} | {out_floor:.3f} |", flush=True)
+            print(
+                f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_fp8', tf)} | "
+                f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {speedup} | "
+                f"{flops / fp8_peak / 1e9:.3f} | {flops / bf16_peak / 1e9:.3f} | {out_floor:.3f} |",
+                flush=True,
+            )
             details.append(_detail(f"{shape} {name}", times, errors))
             torch.cuda.empty_cache()
     if "wgrad_acc" in gemms:
-        print("\n| shape | wgrad into fp32 main_grad | G x M x N, rows per expert | CUTLASS fused ms (TF/s) best | "
-              "torch bf16 + add_ ms | speedup | bf16 FLOPs floor ms | main_grad r+w floor ms | "
-              "written over ms (TF/s) best | zero_ ms | write floor ms |")
+        print(
+            "\n| shape | wgrad into fp32 main_grad | G x M x N, rows per expert | CUTLASS fused ms (TF/s) best | "
+            "torch bf16 + add_ ms | speedup | bf16 FLOPs floor ms | main_grad r+w floor ms | "
+            "written over ms (TF/s) best | zero_ ms | write floor ms |"
+        )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape, name, groups, rows, m, n in wgrad_shapes(args.shapes, args.ep):
             times, errors = wgrad_acc_case(groups, rows, m, n, dev)
             flops = 2.0 * groups * rows * m * n
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
             speedup = _speedup(times, "cutlass_acc", "torch_bf16+add")
-            print(f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
-                  f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
-                  f"{groups * m * n * 8 / write_gbs / 1e6:.3f} | {best(times, 'cutlass_store32', tf)} | "
-                  f"{times.get('zero_', float('nan')):.3f} | {groups * m * n * 4 / write_gbs / 1e6:.3f} |", flush=True)
+            print(
+                f"| {shape} | {name} | {groups} x {m} x {n}, {rows} | {best(times, 'cutlass_acc', tf)} | "
+                f"{times['torch_bf16+add']:.3f} | {speedup} | {flops / bf16_peak / 1e9:.3f} | "
+                f"{groups * m * n * 8 / write_gbs / 1e6:.3f} | {best(times, 'cutlass_store32', tf)} | "
+                f"{times.get('zero_', float('nan')):.3f} | {groups * m * n * 4 / write_gbs / 1e6:.3f} |",
+                flush=True,
+            )
             details.append(_detail(f"{shape} {name} acc", times, errors))
             torch.cuda.empty_cache()
     if "dense_acc" in gemms:
-        print("\n| layer | dense wgrad into fp32 main_grad | out x in, tokens | CUTLASS fused ms (TF/s) best | torch bf16 + add_ ms | "
-              "speedup | bf16 FLOPs floor ms |")
+        print(
+            "\n| layer | dense wgrad into fp32 main_grad | out x in, tokens | CUTLASS fused ms (TF/s) best | torch bf16 + add_ ms | "
+            "speedup | bf16 FLOPs floor ms |"
+        )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
         for name, out_f, in_f in DENSE_PROXY:
             times, errors = wgrad_acc_case(1, DENSE_TOKENS, out_f, in_f, dev)
             flops = 2.0 * DENSE_TOKENS * out_f * in_f
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
-            print(f"| proxy | {name} | {out_f} x {in_f}, {DENSE_TOKENS} | {best(times, 'cutlass_acc', tf)} | "
-                  f"{times['torch_bf16+add']:.3f} | {_speedup(times, 'cutlass_acc', 'torch_bf16+add')} | "
-                  f"{flops / bf16_peak / 1e9:.3f} |", flush=True)
+            print(
+                f"| proxy | {name} | {out_f} x {in_f}, {DENSE_TOKENS} | {best(times, 'cutlass_acc', tf)} | "
+                f"{times['torch_bf16+add']:.3f} | {_speedup(times, 'cutlass_acc', 'torch_bf16+add')} | "
+                f"{flops / bf16_peak / 1e9:.3f} |",
+                flush=True,
+            )
             details.append(_detail(f"proxy dense {name}", times, errors))
             torch.cuda.empty_cache()
     print("\n# every configuration (ms, relative error against the float product of the same operands)")

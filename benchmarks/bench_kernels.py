@@ -17,20 +17,27 @@ import argparse
 
 import torch
 import torch.distributed as dist
-
-from megamoe_train import MegaMoEConfig, get_symm_buffer
-from megamoe_train.backends import triton_kernels as K_
-from megamoe_train.plan import build_plan
-from megamoe_train.launch import spawn
-from megamoe_train.quant import quantize_act, quantize_weight
-from megamoe_train.precision import get_recipe
-
 from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
 from timing import median_ms as bench
 
+from megamoe_train import MegaMoEConfig, get_symm_buffer
+from megamoe_train.backends import triton_kernels as K_
+from megamoe_train.launch import spawn
+from megamoe_train.plan import build_plan
+from megamoe_train.precision import get_recipe
+from megamoe_train.quant import quantize_act, quantize_weight
+
 # Tile configurations of our fp8 grouped GEMM to compare (block_n, stages, warps, group_m);
 # block_m is the pool's block (128).
-FP8_CONFIGS = ((128, 4, 8, 8), (128, 3, 8, 8), (128, 5, 8, 8), (128, 4, 4, 8), (128, 4, 8, 16), (128, 4, 8, 1), (64, 4, 4, 8))
+FP8_CONFIGS = (
+    (128, 4, 8, 8),
+    (128, 3, 8, 8),
+    (128, 5, 8, 8),
+    (128, 4, 4, 8),
+    (128, 4, 8, 16),
+    (128, 4, 8, 1),
+    (64, 4, 4, 8),
+)
 
 
 def gemm_case(E_l, rows_per_expert, N, Kd, block_m, dev):
@@ -55,8 +62,10 @@ def gemm_report(name, shape, rows, N, Kd, dev):
     t_ours = bench(lambda: K_.grouped_gemm(a, b, block_expert, out))
     ref = torch._grouped_mm(a, b.transpose(1, 2), offs=ends).float()
     err = float((out.float() - ref).norm() / ref.norm())
-    lines.append(f"{name} bf16 rows={a.shape[0]} N={N} K={Kd}: torch._grouped_mm {t_torch:.3f} ms ({tf(t_torch):.0f} TF/s), "
-                 f"ours {t_ours:.3f} ms ({tf(t_ours):.0f} TF/s), ours/torch {t_ours / t_torch:.2f}, rel err {err:.1e}")
+    lines.append(
+        f"{name} bf16 rows={a.shape[0]} N={N} K={Kd}: torch._grouped_mm {t_torch:.3f} ms ({tf(t_torch):.0f} TF/s), "
+        f"ours {t_ours:.3f} ms ({tf(t_ours):.0f} TF/s), ours/torch {t_ours / t_torch:.2f}, rel err {err:.1e}"
+    )
     recipe = get_recipe("fp8")
     aq, a_s = quantize_act(a, recipe)
     bq, b_s = quantize_weight(b, recipe)
@@ -65,8 +74,20 @@ def gemm_report(name, shape, rows, N, Kd, dev):
     for block_n, stages, warps, group_m in FP8_CONFIGS:
         cfg = f"block_n={block_n} stages={stages} warps={warps} group_m={group_m}"
         try:
-            t = bench(lambda: K_.grouped_gemm(aq, bq, block_expert, out, a_s, b_s, block_n=block_n, num_stages=stages,
-                                              num_warps=warps, group_m=group_m))
+            t = bench(
+                lambda: K_.grouped_gemm(
+                    aq,
+                    bq,
+                    block_expert,
+                    out,
+                    a_s,
+                    b_s,
+                    block_n=block_n,
+                    num_stages=stages,
+                    num_warps=warps,
+                    group_m=group_m,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
             lines.append(f"  fp8 {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
             continue
@@ -81,9 +102,15 @@ def gemm_report(name, shape, rows, N, Kd, dev):
     b_row = b.float().abs().amax(2).clamp_min(1e-4) / 448
     bq_row = (b.float() / b_row[:, :, None]).to(torch.float8_e4m3fn)
     try:
-        t_scaled = bench(lambda: torch._scaled_grouped_mm(aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16))
-        lines.append(f"{name} fp8 rows={a.shape[0]}: torch._scaled_grouped_mm (row-wise) {t_scaled:.3f} ms ({tf(t_scaled):.0f} TF/s), "
-                     f"ours (block-scaled) best {best:.3f} ms ({tf(best):.0f} TF/s), ours/torch {best / t_scaled:.2f}")
+        t_scaled = bench(
+            lambda: torch._scaled_grouped_mm(
+                aq_row, bq_row.transpose(1, 2), a_row, b_row, offs=ends, out_dtype=torch.bfloat16
+            )
+        )
+        lines.append(
+            f"{name} fp8 rows={a.shape[0]}: torch._scaled_grouped_mm (row-wise) {t_scaled:.3f} ms ({tf(t_scaled):.0f} TF/s), "
+            f"ours (block-scaled) best {best:.3f} ms ({tf(best):.0f} TF/s), ours/torch {best / t_scaled:.2f}"
+        )
     except Exception as exc:  # noqa: BLE001
         lines.append(f"{name} fp8: torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:120]}")
     return lines
@@ -130,8 +157,10 @@ def worker(rank, world, shape):
     pull()
     rows = plan.recv_rows[:n, 0].long()
     ok = torch.equal(dst[rows], src_view[plan.recv_token[:n].long()])
-    lines.append(f"rank {rank} pull {n} rows x {H} bf16 from the peer: ours {nbytes / t_pull / 1e6:.0f} GB/s, "
-                 f"peer copy (copy engine) {nbytes / t_copy / 1e6:.0f} GB/s, correct={ok}")
+    lines.append(
+        f"rank {rank} pull {n} rows x {H} bf16 from the peer: ours {nbytes / t_pull / 1e6:.0f} GB/s, "
+        f"peer copy (copy engine) {nbytes / t_copy / 1e6:.0f} GB/s, correct={ok}"
+    )
     out = [None] * world
     dist.all_gather_object(out, lines)
     if rank == 0:

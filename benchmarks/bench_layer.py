@@ -43,10 +43,9 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import native_moe  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import native_moe  # noqa: E402
 
 SHAPES = {
     # name: (E, K, H, I, T tokens per GPU)
@@ -162,7 +161,9 @@ def measure_floor_rates(rank, world, device, args) -> dict:
         bq = b.to(native_moe.FP8).t()  # column-major B
         sa = torch.rand(n, 1, device=device) + 0.5
         sb = torch.rand(1, n, device=device) + 0.5
-        r = bench(lambda: torch._scaled_mm(aq, bq, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device, 3, 20, 1.0)
+        r = bench(
+            lambda: torch._scaled_mm(aq, bq, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device, 3, 20, 1.0
+        )
         rates["gemm_fp8_tflops"] = flops / (r["ms"] * 1e-3) / 1e12
         del aq, bq, sa, sb
     except Exception as e:  # noqa: BLE001
@@ -327,8 +328,11 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         torch.cuda.reset_peak_memory_stats(device)
     x, idx, tw, w1, w2, grad_y = make_case_tensors(E, K, H, I, T, world, rank, routing, args.seed, device, args.zipf)
     stats = routing_stats(idx, E, world, device)
-    log(rank, f"  rows routed {stats['rows_total']}, rows crossing GPUs (unique token x destination) {stats['link_rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
-        f"busiest rank {stats['rank_max_over_mean']:.2f}x mean")
+    log(
+        rank,
+        f"  rows routed {stats['rows_total']}, rows crossing GPUs (unique token x destination) {stats['link_rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
+        f"busiest rank {stats['rank_max_over_mean']:.2f}x mean",
+    )
     f_fwd, f_all, f_detail = floor_ms(stats, H, I, recipe, rates)
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(group, cfg, device=device)
@@ -391,7 +395,11 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         free_memory(device)
     if usable["ours"] and usable["native"]:
         go, gn = results["ours"], results["native"]
-        check.update(err_y=rel_err(go[0], gn[0], device), err_dx=rel_err(go[1], gn[1], device), err_dtw=rel_err(go[2], gn[2], device))
+        check.update(
+            err_y=rel_err(go[0], gn[0], device),
+            err_dx=rel_err(go[1], gn[1], device),
+            err_dtw=rel_err(go[2], gn[2], device),
+        )
         if recipe == "fp8":  # both fp8 paths against the bf16 torch-native path
             with torch.no_grad():
                 y_ref = native_moe.native_moe_bf16(x, idx, tw, w1, w2, E, group)
@@ -434,7 +442,11 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         rows.append(
             dict(
                 shape=shape_name,
-                E=E, K=K, H=H, I=I, T=T,
+                E=E,
+                K=K,
+                H=H,
+                I=I,
+                T=T,
                 routing=routing,
                 recipe=recipe,
                 phase=phase,
@@ -527,20 +539,34 @@ def worker(rank, world, args):
     else:
         machine = f"cpu x{world} (gloo)"
     shapes = ["tiny"] if args.tiny else args.shapes
-    log(rank, f"bench_layer: {machine}, torch {torch.__version__}, backend={args.backend}, shapes={shapes}, "
-        f"routing={args.routing}, recipes={args.recipes}, phases={args.phases}")
-    log(rank, f"native GEMMs: {native_moe.gemm_impl_label(device)}; native fp8 backward: bf16 grouped GEMMs "
-        "(dequantized forward operands, straight-through)")
-    log(rank, "weights: ours caches its weight transform, native fp8 quantizes weights once; both outside the timed region")
+    log(
+        rank,
+        f"bench_layer: {machine}, torch {torch.__version__}, backend={args.backend}, shapes={shapes}, "
+        f"routing={args.routing}, recipes={args.recipes}, phases={args.phases}",
+    )
+    log(
+        rank,
+        f"native GEMMs: {native_moe.gemm_impl_label(device)}; native fp8 backward: bf16 grouped GEMMs "
+        "(dequantized forward operands, straight-through)",
+    )
+    log(
+        rank,
+        "weights: ours caches its weight transform, native fp8 quantizes weights once; both outside the timed region",
+    )
     try:
         import megatron.core  # noqa: F401
 
-        log(rank, "megatron: megatron.core is importable but its MoELayer benchmark is not wired into this script; skipped")
+        log(
+            rank,
+            "megatron: megatron.core is importable but its MoELayer benchmark is not wired into this script; skipped",
+        )
     except Exception:  # noqa: BLE001
         log(rank, "megatron: megatron.core not importable; Megatron-core MoELayer (alltoall dispatcher) skipped")
 
-    rates = measure_floor_rates(rank, world, device, args) if not args.no_floor else dict.fromkeys(
-        ("gemm_bf16_tflops", "gemm_fp8_tflops", "nvlink_gbps", "hbm_gbps")
+    rates = (
+        measure_floor_rates(rank, world, device, args)
+        if not args.no_floor
+        else dict.fromkeys(("gemm_bf16_tflops", "gemm_fp8_tflops", "nvlink_gbps", "hbm_gbps"))
     )
     log(rank, "floor rates: " + ", ".join(f"{k}={fmt(v, '.1f')}" for k, v in rates.items()))
 
@@ -603,10 +629,19 @@ def _torchrun_main(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     csv = lambda s: [t for t in s.split(",") if t]  # noqa: E731
-    p.add_argument("--shapes", type=csv, default=["S1", "S2", "S3"], help="comma list of S1,S2,S3,S4,P (P: the training proxy's MoE layer)")
-    p.add_argument("--tiny", action="store_true", help="tiny smoke shape (E8 k2 H256 I128 T64); on CPU uses backend reference")
+    p.add_argument(
+        "--shapes",
+        type=csv,
+        default=["S1", "S2", "S3"],
+        help="comma list of S1,S2,S3,S4,P (P: the training proxy's MoE layer)",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny smoke shape (E8 k2 H256 I128 T64); on CPU uses backend reference"
+    )
     p.add_argument("--routing", type=csv, default=["uniform", "skewed"])
     p.add_argument("--recipes", type=csv, default=["bf16", "fp8"])
     p.add_argument("--phases", type=csv, default=["fwd", "fwdbwd"])
@@ -615,7 +650,12 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPU count, or 2 on CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="most timed iterations per measurement")
-    p.add_argument("--budget-s", type=float, default=1.5, help="about this many seconds of timed iterations per measurement (at least 3 iterations)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=1.5,
+        help="about this many seconds of timed iterations per measurement (at least 3 iterations)",
+    )
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the skewed routing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-floor", action="store_true", help="skip the floor rate measurements")

@@ -27,8 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megamoe_trainer.perf.adam_kernel import adamw_update  # noqa: E402
 from timing import hbm_bandwidth, median_ms  # noqa: E402
+
+from megamoe_trainer.perf.adam_kernel import adamw_update  # noqa: E402
 
 KW = dict(lr=2.2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -76,8 +77,19 @@ def main():
     def kernel_way():
         steps["count"] += 1
         for p, (m, v), c in zip(params, moments, model):
-            adamw_update(p.data, p.grad, m, v, c, step=steps["count"], lr=KW["lr"], beta1=KW["betas"][0],
-                         beta2=KW["betas"][1], eps=KW["eps"], weight_decay=KW["weight_decay"])
+            adamw_update(
+                p.data,
+                p.grad,
+                m,
+                v,
+                c,
+                step=steps["count"],
+                lr=KW["lr"],
+                beta1=KW["betas"][0],
+                beta2=KW["betas"][1],
+                eps=KW["eps"],
+                weight_decay=KW["weight_decay"],
+            )
 
     # agreement: one step each way from the same state
     saved = [(p.detach().clone(), m.clone(), v.clone()) for p, (m, v) in zip(params, moments)]
@@ -90,7 +102,9 @@ def main():
     for p, c, (wp, wc) in zip(params, model, want):
         rel = ((p.detach().double() - wp.double()).norm() / wp.double().norm()).item()
         # each copy is its own param rounded (the params agree to ~1e-8, not bit for bit)
-        assert rel < 1e-6 and torch.equal(c, p.detach().to(torch.bfloat16)) and torch.equal(wc, wp.to(torch.bfloat16)), rel
+        assert (
+            rel < 1e-6 and torch.equal(c, p.detach().to(torch.bfloat16)) and torch.equal(wc, wp.to(torch.bfloat16))
+        ), rel
     del saved, want
 
     torch_ms = median_ms(torch_way, iters=10)
@@ -100,8 +114,12 @@ def main():
     torch_bytes = 28 * n + 6 * n  # Adam, then the copy reads fp32 and writes bf16
     print("| way | ms | GB moved | GB/s | x floor |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    print(f"| torch fused AdamW + copy | {torch_ms:.2f} | {torch_bytes / 1e9:.1f} | {torch_bytes / torch_ms / 1e6:.0f} | {torch_ms / floor_ms:.2f} |")
-    print(f"| kernel (AdamW writing the copy) | {kernel_ms:.2f} | {kernel_bytes / 1e9:.1f} | {kernel_bytes / kernel_ms / 1e6:.0f} | {kernel_ms / floor_ms:.2f} |")
+    print(
+        f"| torch fused AdamW + copy | {torch_ms:.2f} | {torch_bytes / 1e9:.1f} | {torch_bytes / torch_ms / 1e6:.0f} | {torch_ms / floor_ms:.2f} |"
+    )
+    print(
+        f"| kernel (AdamW writing the copy) | {kernel_ms:.2f} | {kernel_bytes / 1e9:.1f} | {kernel_bytes / kernel_ms / 1e6:.0f} | {kernel_ms / floor_ms:.2f} |"
+    )
     print(f"floor (kernel bytes / copy bandwidth): {floor_ms:.2f} ms")
 
 

@@ -81,14 +81,20 @@ def _rank(rank: int, world: int, words: int, trials: int, port: int):
                 if how == "sm":
                     _write[(triton.cdiv(words, 1024),)](mine + 4 * A, words, trial, BLOCK=1024)
                 elif how == "copy_engine":
-                    local[A:A + words].copy_(src)
+                    local[A : A + words].copy_(src)
                 handle.barrier()
-                events = [timed(lambda: read(peer + 4 * A)), timed(lambda: read(peer + 4 * A)),
-                          timed(lambda: read(peer + 4 * B)), timed(lambda: read(mine + 4 * A))]
+                events = [
+                    timed(lambda: read(peer + 4 * A)),
+                    timed(lambda: read(peer + 4 * A)),
+                    timed(lambda: read(peer + 4 * B)),
+                    timed(lambda: read(mine + 4 * A)),
+                ]
                 torch.cuda.synchronize()
                 rows.append([round(s.elapsed_time(e) * 1000, 1) for s, e in events])
-            print(f"rank {rank} write={how} sweep={sweep}: [peer A 1st, peer A 2nd, peer B, own A] us: {rows[1:]}",
-                  flush=True)
+            print(
+                f"rank {rank} write={how} sweep={sweep}: [peer A 1st, peer A 2nd, peer B, own A] us: {rows[1:]}",
+                flush=True,
+            )
     handle.barrier()
     torch.cuda.synchronize()
     dist.destroy_process_group()

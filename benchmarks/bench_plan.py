@@ -17,15 +17,14 @@ import argparse
 import time
 
 import torch
+from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
+from timing import median_ms
 
 from megamoe_train import MegaMoEConfig
 from megamoe_train.backends.triton_backend import TritonExecutor
 from megamoe_train.backends.triton_plan import build_plan as device_plan
 from megamoe_train.expert_math import store_act
 from megamoe_train.plan import build_plan
-
-from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
-from timing import median_ms
 
 
 def host_ms(fn, calls: int = 50) -> float:
@@ -41,8 +40,10 @@ def host_ms(fn, calls: int = 50) -> float:
 
 def row(what, old, new):
     (g_old, h_old), (g_new, h_new) = old, new
-    return (f"{what}: GPU {g_old:.3f} -> {g_new:.3f} ms ({g_old / g_new:.1f}x), "
-            f"host {h_old:.3f} -> {h_new:.3f} ms ({h_old / h_new:.1f}x)")
+    return (
+        f"{what}: GPU {g_old:.3f} -> {g_new:.3f} ms ({g_old / g_new:.1f}x), "
+        f"host {h_old:.3f} -> {h_new:.3f} ms ({h_old / h_new:.1f}x)"
+    )
 
 
 def main():
@@ -60,8 +61,13 @@ def main():
             old, new = (lambda: build_plan(ids, 0, E_l, align)), (lambda: device_plan(ids, 0, E_l, align))
             want, got = old(), new()
             same = all(torch.equal(getattr(want, f), getattr(got, f)) for f in want.__dataclass_fields__)
-            print(row(f"{shape} E{E} top-{topk} T{T} plan align {align} (same tables: {same})",
-                      (median_ms(old), host_ms(old)), (median_ms(new), host_ms(new))))
+            print(
+                row(
+                    f"{shape} E{E} top-{topk} T{T} plan align {align} (same tables: {same})",
+                    (median_ms(old), host_ms(old)),
+                    (median_ms(new), host_ms(new)),
+                )
+            )
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         data = torch.empty(T, H, device=dev, dtype=torch.float8_e4m3fn)
         scales = torch.empty(T, H // 128, device=dev, dtype=torch.float32)
@@ -73,8 +79,13 @@ def main():
             scales.copy_(s)
 
         new_store = lambda: TritonExecutor().store_inputs(cfg, x, data, scales)
-        print(row(f"{shape} fp8 input storage T{T} H{H}", (median_ms(old_store), host_ms(old_store)),
-                  (median_ms(new_store), host_ms(new_store))))
+        print(
+            row(
+                f"{shape} fp8 input storage T{T} H{H}",
+                (median_ms(old_store), host_ms(old_store)),
+                (median_ms(new_store), host_ms(new_store)),
+            )
+        )
 
 
 if __name__ == "__main__":

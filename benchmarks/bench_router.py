@@ -39,7 +39,6 @@ def main():
 
     from megatron.core.transformer.moe import moe_utils
 
-    from megatron_patch import moe_layer
     from megamoe_trainer.perf.router_topk import fused_aux_loss_scores, fused_topk_routing
     from megatron_patch.routing import argsort_slots, routing_map_slots
 
@@ -51,19 +50,28 @@ def main():
 
     variants = {
         # torch: routing_to_topk's slots before the kernel (its CPU path)
-        "torch": (moe_utils.topk_routing_with_score_function, moe_utils.compute_routing_scores_for_aux_loss, argsort_slots),
-        "fused": (fused_topk_routing(moe_utils.topk_routing_with_score_function),
-                  fused_aux_loss_scores(moe_utils.compute_routing_scores_for_aux_loss), routing_map_slots),
+        "torch": (
+            moe_utils.topk_routing_with_score_function,
+            moe_utils.compute_routing_scores_for_aux_loss,
+            argsort_slots,
+        ),
+        "fused": (
+            fused_topk_routing(moe_utils.topk_routing_with_score_function),
+            fused_aux_loss_scores(moe_utils.compute_routing_scores_for_aux_loss),
+            routing_map_slots,
+        ),
     }
     print(f"# {torch.cuda.get_device_name(dev)}: T={T} E={E} top-{K} {args.score_function} groups={groups or None}")
     print("| variant | forward ms | forward+backward ms | selection only ms |")
     print("| --- | ---: | ---: | ---: |")
     maps = {}
     for name, (routing, aux, slots) in variants.items():
+
         def step(backward: bool):
             x = logits.detach().requires_grad_(backward)
-            probs, routing_map = routing(x, K, scaling_factor=2.5, score_function=args.score_function,
-                                         expert_bias=bias, **groups)
+            probs, routing_map = routing(
+                x, K, scaling_factor=2.5, score_function=args.score_function, expert_bias=bias, **groups
+            )
             aux_map, aux_scores = aux(x, K, args.score_function)
             idx = slots(routing_map, K)
             weights = torch.where(idx >= 0, probs.gather(1, idx.clamp_min(0)), 0.0)

@@ -38,8 +38,10 @@ def main():
     live = torch.tensor([live_rows], dtype=torch.int32, device=dev)
     big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     t = median_ms(lambda: big.clone())
-    print(f"# {torch.cuda.get_device_name(dev)}, {a.shape}: pool {P} rows ({live_rows} live), H={H}, I={I}; "
-          f"HBM copy of 1 GiB {t:.3f} ms = {2 * (1 << 30) / t / 1e6:.0f} GB/s (read + write)")
+    print(
+        f"# {torch.cuda.get_device_name(dev)}, {a.shape}: pool {P} rows ({live_rows} live), H={H}, I={I}; "
+        f"HBM copy of 1 GiB {t:.3f} ms = {2 * (1 << 30) / t / 1e6:.0f} GB/s (read + write)"
+    )
     del big
     h = torch.randn(P, 2 * I, device=dev, dtype=torch.bfloat16)
     w = torch.rand(P, device=dev)
@@ -48,7 +50,9 @@ def main():
     nbytes = live_rows * (2 * I * 2 + I + I // 128 * 4)
     for block_r, warps in FORWARD_CONFIGS:
         t = median_ms(lambda: K_.swiglu_forward(h, w, act, act_s, live, 128, None, block_r=block_r, num_warps=warps))
-        print(f"swiglu_forward fp8  rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, {nbytes / t / 1e6:5.0f} GB/s")
+        print(
+            f"swiglu_forward fp8  rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, {nbytes / t / 1e6:5.0f} GB/s"
+        )
     del act, act_s
     grad_act = torch.randn(P, I, device=dev, dtype=torch.bfloat16)
     grad_h = torch.empty(P, 2 * I, device=dev, dtype=torch.bfloat16)
@@ -57,9 +61,14 @@ def main():
     grad_h_s = torch.empty(P, 2 * I // 128, device=dev)
     nbytes = live_rows * (2 * I * 2 + I * 2 + 2 * I * 2 + 2 * I + 2 * I // 128 * 4)
     for block_r, warps in BACKWARD_CONFIGS:
-        t = median_ms(lambda: K_.swiglu_backward(h, w, grad_act, grad_h, grad_w, live, 128, None, grad_h_q, grad_h_s,
-                                                 block_r=block_r, num_warps=warps))
-        print(f"swiglu_backward fp8 rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, {nbytes / t / 1e6:5.0f} GB/s")
+        t = median_ms(
+            lambda: K_.swiglu_backward(
+                h, w, grad_act, grad_h, grad_w, live, 128, None, grad_h_q, grad_h_s, block_r=block_r, num_warps=warps
+            )
+        )
+        print(
+            f"swiglu_backward fp8 rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, {nbytes / t / 1e6:5.0f} GB/s"
+        )
     del h, grad_act, grad_h, grad_h_q, grad_h_s
     x = torch.empty(P, H, device=dev, dtype=torch.bfloat16)
     xq = torch.randn(P, H, device=dev).to(torch.float8_e4m3fn)

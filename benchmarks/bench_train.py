@@ -100,18 +100,41 @@ def _records(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_variant(recipe_path: str, name: str, steps: int, out: str, overrides: list[str], profile_at: int | None,
-                profile_steps: int, label: str | None = None, tree: str | None = None) -> dict:
+def run_variant(
+    recipe_path: str,
+    name: str,
+    steps: int,
+    out: str,
+    overrides: list[str],
+    profile_at: int | None,
+    profile_steps: int,
+    label: str | None = None,
+    tree: str | None = None,
+) -> dict:
     """One megamoe-train run of variant `name`, reported as `label` (default the name); with `tree`
     the trainer of that checkout runs it (a subprocess with the tree first on PYTHONPATH)."""
     from megamoe_trainer.cli import main as train
 
     label = label or name
     run_dir = os.path.abspath(os.path.join(out, label))
-    args = [os.path.abspath(recipe_path), "--steps", str(steps), "--no-resume", "--run-dir", run_dir,
-            "--set", f"moe.megamoe_recipe={'null' if VARIANTS[name][0] is None else VARIANTS[name][0]}",
-            "--set", "run.checkpoint=false", "--set", "run.plot_every=0", "--set", f"run.log_every={max(1, steps // 10)}",
-            "--set", f"train.steps={steps}"]
+    args = [
+        os.path.abspath(recipe_path),
+        "--steps",
+        str(steps),
+        "--no-resume",
+        "--run-dir",
+        run_dir,
+        "--set",
+        f"moe.megamoe_recipe={'null' if VARIANTS[name][0] is None else VARIANTS[name][0]}",
+        "--set",
+        "run.checkpoint=false",
+        "--set",
+        "run.plot_every=0",
+        "--set",
+        f"run.log_every={max(1, steps // 10)}",
+        "--set",
+        f"train.steps={steps}",
+    ]
     if profile_at is not None:
         args += ["--set", f"run.profile_at={profile_at}", "--set", f"run.profile_steps={profile_steps}"]
     for o in VARIANTS[name][1] + overrides:
@@ -177,7 +200,7 @@ def analyze(result: dict, warmup: int, untimed: set[int], reference: dict | None
         n = min(len(ref), len(mine))
         tail = min(20, n)
         row["loss_max_rel_diff_vs_stock"] = max(_rel(a, b) for a, b in zip(mine[:n], ref[:n]))
-        row["loss_last20_mean_rel_diff_vs_stock"] = _rel(sum(mine[n - tail:n]) / tail, sum(ref[n - tail:n]) / tail)
+        row["loss_last20_mean_rel_diff_vs_stock"] = _rel(sum(mine[n - tail : n]) / tail, sum(ref[n - tail : n]) / tail)
     return row
 
 
@@ -211,11 +234,14 @@ def _fmt(x, spec, scale=1.0, none="n/a"):
 
 
 def markdown(rows: list[dict], recipe: str, steps: int) -> str:
-    lines = [f"`{os.path.basename(recipe)}`, {steps} steps per variant", "",
-             "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | host GC ms/step | "
-             "expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | "
-             "its rel diff vs stock |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    lines = [
+        f"`{os.path.basename(recipe)}`, {steps} steps per variant",
+        "",
+        "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | host GC ms/step | "
+        "expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | "
+        "its rel diff vs stock |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | | | | | |")
@@ -228,7 +254,8 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | {_fmt(r.get('host_gc_ms_per_step'), '.1f')} | "
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | {_fmt(r.get('ep_rank_load_imbalance'), '.3f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
-            f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |")
+            f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |"
+        )
     for r in rows:  # where the profiled steps' kernel time went, inside and outside the MoE layers
         prof = r.get("profile_rank0") or {}
         first_last = prof.get("steps") or [0, 0]  # the profiled steps' first and last
@@ -240,10 +267,16 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
     for r in rows:
         sites = r.get("peer_wait_ms_by_site")
         if sites:
-            lines += ["", f"{r['variant']}: peer wait by barrier, ms per timed step (EP rank 0, 1, ...): " +
-                      "; ".join(f"{site} " + " / ".join(f"{v:.1f}" for v in per_rank) for site, per_rank in sites.items())]
-    waiting = [f"{r['variant']}: " + ", ".join(f"rank {k} in {v}" for k, v in r["most_waiting_rank_steps"].items())
-               for r in rows if r.get("most_waiting_rank_steps")]
+            lines += [
+                "",
+                f"{r['variant']}: peer wait by barrier, ms per timed step (EP rank 0, 1, ...): "
+                + "; ".join(f"{site} " + " / ".join(f"{v:.1f}" for v in per_rank) for site, per_rank in sites.items()),
+            ]
+    waiting = [
+        f"{r['variant']}: " + ", ".join(f"rank {k} in {v}" for k, v in r["most_waiting_rank_steps"].items())
+        for r in rows
+        if r.get("most_waiting_rank_steps")
+    ]
     if waiting:
         lines += ["", "Most-waiting EP rank (timed steps): " + "; ".join(waiting)]
     return "\n".join(lines)
@@ -266,7 +299,7 @@ def plot_losses(rows: list[dict], path: str, title: str) -> str | None:
     window = 20
 
     def smooth(v):
-        return [sum(v[max(0, i - window + 1):i + 1]) / len(v[max(0, i - window + 1):i + 1]) for i in range(len(v))]
+        return [sum(v[max(0, i - window + 1) : i + 1]) / len(v[max(0, i - window + 1) : i + 1]) for i in range(len(v))]
 
     base = smooth(rows[0]["losses"])
     for r in rows:
@@ -295,13 +328,23 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=3, help="steps under the torch profiler (CUDA; 0 = none)")
     p.add_argument("--out", default="runs/bench_train")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--tree", dest="trees", action="append", default=[], metavar="LABEL=DIR",
-                   help="also run every variant with another checkout's code (rows 'VARIANT@LABEL'), e.g. a git "
-                        "worktree of the parent commit; its compiled extensions must be in place (copy them "
-                        "where only Python differs)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the list this many times, alternating variants and trees (rows '#k'): machine "
-                        "drift then falls on every variant alike")
+    p.add_argument(
+        "--tree",
+        dest="trees",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="also run every variant with another checkout's code (rows 'VARIANT@LABEL'), e.g. a git "
+        "worktree of the parent commit; its compiled extensions must be in place (copy them "
+        "where only Python differs)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the list this many times, alternating variants and trees (rows '#k'): machine "
+        "drift then falls on every variant alike",
+    )
     args = p.parse_args(argv)
     from megamoe_trainer.cli import quiet
 
@@ -332,19 +375,32 @@ def main(argv=None) -> int:
             for label, tree in trees:
                 key = n if label is None else f"{n}@{label}"
                 runs.append((key if args.repeat == 1 else f"{key}#{rep + 1}", n, tree))
-    results = {key: run_variant(args.recipe, n, args.steps, args.out, args.overrides, profile_at, args.profile_steps,
-                                key, tree) for key, n, tree in runs}
+    results = {
+        key: run_variant(
+            args.recipe, n, args.steps, args.out, args.overrides, profile_at, args.profile_steps, key, tree
+        )
+        for key, n, tree in runs
+    }
     reference = results.get("stock" if args.repeat == 1 else "stock#1")
     rows = [analyze(results[key], warmup, untimed, reference if n != "stock" else None) for key, n, _ in runs]
     table = markdown(rows, args.recipe, args.steps)
     print(table, flush=True)
-    out = {"recipe": args.recipe, "steps": args.steps, "warmup": warmup, "profiled_steps": sorted(profiled),
-           "untimed_steps": sorted(untimed),
-           "overrides": args.overrides, "rows": rows, "table": table}
+    out = {
+        "recipe": args.recipe,
+        "steps": args.steps,
+        "warmup": warmup,
+        "profiled_steps": sorted(profiled),
+        "untimed_steps": sorted(untimed),
+        "overrides": args.overrides,
+        "rows": rows,
+        "table": table,
+    }
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"[bench_train] wrote {os.path.join(args.out, 'bench_train.json')}", flush=True)
-    plot = plot_losses(rows, os.path.join(args.out, "loss_curves.png"), f"{os.path.basename(args.recipe)}, {args.steps} steps")
+    plot = plot_losses(
+        rows, os.path.join(args.out, "loss_curves.png"), f"{os.path.basename(args.recipe)}, {args.steps} steps"
+    )
     if plot:
         print(f"[bench_train] wrote {plot}", flush=True)
     return 0 if all("error" not in r for r in rows) else 1

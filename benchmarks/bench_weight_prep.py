@@ -34,12 +34,12 @@ import argparse
 import dataclasses
 
 import torch
+from timing import hbm_bandwidth, median_ms
 
 from megamoe_train import MegaMoEConfig
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import quantize_weight
 from megamoe_train.weights import clear_weight_cache, interleave_gate_up, quantize_expert_weights, transform_weights
-from timing import hbm_bandwidth, median_ms
 
 SHAPES = {"S1": (128, 4096, 2048), "S4": (128, 7168, 2048)}  # (E_local, H, I)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -56,7 +56,10 @@ def adapter(args):
     fc1 = [torch.randn(2 * I, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(E)]
     fc2 = [torch.randn(H, I, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(E)]
     w1, w2 = torch.stack(fc1), torch.stack(fc2)
-    cfg = {r: MegaMoEConfig(num_experts=2 * E, hidden=H, intermediate=I, topk=8, num_max_tokens_per_rank=8192, recipe=r) for r in ("bf16", "fp8")}
+    cfg = {
+        r: MegaMoEConfig(num_experts=2 * E, hidden=H, intermediate=I, topk=8, num_max_tokens_per_rank=8192, recipe=r)
+        for r in ("bf16", "fp8")
+    }
 
     def stack():
         torch.stack(fc1), torch.stack(fc2)
@@ -80,7 +83,9 @@ def adapter(args):
         "bf16_new_transform": bench(bf16_new_transform),
     }
     gb = (w1.numel() + w2.numel()) * 2 / 1e9
-    print(f"{torch.cuda.get_device_name()} | E_local={E} H={H} I={I} layers={args.layers} | expert weights {gb:.2f} GB bf16 per layer")
+    print(
+        f"{torch.cuda.get_device_name()} | E_local={E} H={H} I={I} layers={args.layers} | expert weights {gb:.2f} GB bf16 per layer"
+    )
     for k, v in t.items():
         print(f"  {k:20s} {v:8.3f} ms per layer")
     L = args.layers
@@ -88,13 +93,20 @@ def adapter(args):
         before_bf16 = L * passes * (t["stack"] + t["bf16_old_transform"])
         before_fp8 = L * passes * (t["stack"] + t["fp8_transform"])
         after_fp8 = L * t["fp8_transform"]
-        print(f"  per step, 1 micro-batch, {label}: bf16 before {before_bf16:.2f} ms, after {L * t['bf16_new_transform']:.3f} ms | "
-              f"fp8 before {before_fp8:.2f} ms, after {after_fp8:.2f} ms")
-
+        print(
+            f"  per step, 1 micro-batch, {label}: bf16 before {before_bf16:.2f} ms, after {L * t['bf16_new_transform']:.3f} ms | "
+            f"fp8 before {before_fp8:.2f} ms, after {after_fp8:.2f} ms"
+        )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+    return (
+        t.view(torch.uint8)
+        if t.element_size() == 1
+        else t.view(torch.int16)
+        if t.element_size() == 2
+        else t.view(torch.int32)
+    )
 
 
 def torch_as_on_main(w1, w2, chunk):
@@ -119,8 +131,10 @@ def fp8(args):
         taken = K.master_dtypes(torch.device("cuda"))
         skipped = [d for d in args.master_dtypes if DTYPES[d] not in taken]
         if skipped:
-            print(f"\n{shape}: {', '.join(skipped)} masters skipped: on CUDA the kernel takes {taken} only, "
-                  "the others use the torch ops (fp32 masters gave other bits than quant.py on the GPU)")
+            print(
+                f"\n{shape}: {', '.join(skipped)} masters skipped: on CUDA the kernel takes {taken} only, "
+                "the others use the torch ops (fp32 masters gave other bits than quant.py on the GPU)"
+            )
         for i, dname in enumerate(d for d in args.master_dtypes if d not in skipped):
             dtype, first_dtype = DTYPES[dname], i == 0
             torch.cuda.empty_cache()
@@ -132,7 +146,9 @@ def fp8(args):
             floor_main = (n * esz + n + scale_bytes // 2) / bw * 1e3
             floor_kernel = (n * esz + 2 * n + scale_bytes) / bw * 1e3
             floor_copies = (n + scale_bytes // 2 + 2 * n) / bw * 1e3
-            print(f"\n{shape} E_local={E} H={H} I={I} | {dname} masters {n * esz / 1e9:.2f} GB | per layer, median of {args.iters}")
+            print(
+                f"\n{shape} E_local={E} H={H} I={I} | {dname} masters {n * esz / 1e9:.2f} GB | per layer, median of {args.iters}"
+            )
 
             ours = quantize_expert_weights(w1, w2, cfg)
             try:
@@ -162,26 +178,51 @@ def fp8(args):
                 print(f"  {label:52s} {ms:8.3f} ms{extra}")
                 return ms
 
-            t_main = row("transform, torch as on main (no w1_t/w2_t)", lambda: torch_as_on_main(w1, w2, chunk), floor_main)
-            row("transform, torch with w1_t/w2_t (use_kernel=False)",
-                          lambda: quantize_expert_weights(w1, w2, cfg, use_kernel=False), floor_kernel)
+            t_main = row(
+                "transform, torch as on main (no w1_t/w2_t)", lambda: torch_as_on_main(w1, w2, chunk), floor_main
+            )
+            row(
+                "transform, torch with w1_t/w2_t (use_kernel=False)",
+                lambda: quantize_expert_weights(w1, w2, cfg, use_kernel=False),
+                floor_kernel,
+            )
             t_kernel = row("transform, kernel (default)", lambda: quantize_expert_weights(w1, w2, cfg), floor_kernel)
             for rows in args.rows_per_step:
                 steps = None if rows == 0 else rows
                 for nw in args.num_warps:
-                    row(f"  kernel rows_per_step={rows or 'all'} num_warps={nw}",
-                        lambda nw=nw, steps=steps: (K.quantize_blocks(w1, chunk=chunk, num_warps=nw, rows_per_step=steps),
-                                                    K.quantize_blocks(w2, num_warps=nw, rows_per_step=steps)), floor_kernel)
+                    row(
+                        f"  kernel rows_per_step={rows or 'all'} num_warps={nw}",
+                        lambda nw=nw, steps=steps: (
+                            K.quantize_blocks(w1, chunk=chunk, num_warps=nw, rows_per_step=steps),
+                            K.quantize_blocks(w2, num_warps=nw, rows_per_step=steps),
+                        ),
+                        floor_kernel,
+                    )
             if first_dtype:  # the copies read the e4m3 weights: the same work whatever the masters
-                c_torch = row("compute_copies(bf16), torch", lambda: dataclasses.replace(ours).compute_copies(torch.bfloat16, use_kernel=False), floor_copies)
-                c_kernel = row("compute_copies(bf16), kernel (default)", lambda: dataclasses.replace(ours).compute_copies(torch.bfloat16), floor_copies)
+                c_torch = row(
+                    "compute_copies(bf16), torch",
+                    lambda: dataclasses.replace(ours).compute_copies(torch.bfloat16, use_kernel=False),
+                    floor_copies,
+                )
+                c_kernel = row(
+                    "compute_copies(bf16), kernel (default)",
+                    lambda: dataclasses.replace(ours).compute_copies(torch.bfloat16),
+                    floor_copies,
+                )
                 for nw in args.num_warps:
-                    row(f"  kernel num_warps={nw}", lambda nw=nw: (
-                        K.dequantize_blocks(ours.w1, ours.w1_scales, torch.bfloat16, chunk=chunk, num_warps=nw),
-                        K.dequantize_blocks(ours.w2, ours.w2_scales, torch.bfloat16, num_warps=nw)), floor_copies)
+                    row(
+                        f"  kernel num_warps={nw}",
+                        lambda nw=nw: (
+                            K.dequantize_blocks(ours.w1, ours.w1_scales, torch.bfloat16, chunk=chunk, num_warps=nw),
+                            K.dequantize_blocks(ours.w2, ours.w2_scales, torch.bfloat16, num_warps=nw),
+                        ),
+                        floor_copies,
+                    )
             if None not in (t_main, c_torch, t_kernel, c_kernel):
-                print(f"  per optimizer step and layer, bf16 backward (transform + copies): torch as on main "
-                      f"{t_main + c_torch:.2f} ms -> kernel {t_kernel + c_kernel:.2f} ms (floor {floor_kernel + floor_copies:.2f} ms)")
+                print(
+                    f"  per optimizer step and layer, bf16 backward (transform + copies): torch as on main "
+                    f"{t_main + c_torch:.2f} ms -> kernel {t_kernel + c_kernel:.2f} ms (floor {floor_kernel + floor_copies:.2f} ms)"
+                )
                 print(f"  FP8 dgrad backward (transform only): kernel {t_kernel:.2f} ms (floor {floor_kernel:.2f} ms)")
             del w1, w2, ours
 
@@ -192,8 +233,13 @@ def main():
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["S1", "S4"], help="fp8 mode")
     ap.add_argument("--master-dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="fp8 mode")
     ap.add_argument("--num-warps", nargs="+", type=int, default=[4, 8, 16, 32], help="fp8 mode: kernel sweep")
-    ap.add_argument("--rows-per-step", nargs="+", type=int, default=[64, 32, 0],
-                    help="fp8 mode: kernel sweep of quantize_blocks' rows_per_step (0 = the whole block at once)")
+    ap.add_argument(
+        "--rows-per-step",
+        nargs="+",
+        type=int,
+        default=[64, 32, 0],
+        help="fp8 mode: kernel sweep of quantize_blocks' rows_per_step (0 = the whole block at once)",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--experts", type=int, default=128, help="adapter mode: local experts per GPU")
     ap.add_argument("--hidden", type=int, default=2048, help="adapter mode")

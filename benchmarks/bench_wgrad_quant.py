@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
+from timing import hbm_bandwidth
+from timing import median_ms as bench
 
 from megamoe_train.backends import triton_kernels as K_
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import dequantize_act, quantize_act, quantize_tokens_t
-
-from bench_layer import SHAPES  # (experts, topk, hidden, intermediate, tokens per GPU)
-from timing import hbm_bandwidth
-from timing import median_ms as bench
 
 FP8 = RECIPES["fp8"]
 EP = 2
@@ -79,12 +78,22 @@ def main():
             t_torch = bench(lambda: torch_path(src, src_scales))
             line = f"  {name} [{P}, {C}] {src.dtype} | floor {floor:.3f} ms | torch (quant.py) {t_torch:.3f} ms"
             for block_c, num_warps in configs:
-                run = lambda: K_.quantize_tokens_t(src, src_scales, row_slot, num_rows, out, out_s,  # noqa: E731
-                                                   block_c=block_c, num_warps=num_warps)
+                run = lambda: K_.quantize_tokens_t(
+                    src,
+                    src_scales,
+                    row_slot,
+                    num_rows,
+                    out,
+                    out_s,  # noqa: E731
+                    block_c=block_c,
+                    num_warps=num_warps,
+                )
                 run()
                 exact = torch.equal(out.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(out_s, want_s)
                 ms = bench(run)
-                line += f" | c{block_c}/w{num_warps} {ms:.3f} ms ({ms / floor:.2f}x floor)" + ("" if exact else " MISMATCH")
+                line += f" | c{block_c}/w{num_warps} {ms:.3f} ms ({ms / floor:.2f}x floor)" + (
+                    "" if exact else " MISMATCH"
+                )
             print(line, flush=True)
 
 

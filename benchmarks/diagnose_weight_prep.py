@@ -26,9 +26,25 @@ from megamoe_train.backends.triton_weight_prep import _block_ids  # noqa: E402
 
 
 @triton.jit
-def diag_kernel(src, stride_e, stride_n, stride_k, data, scales, data_t, scales_t, N, K,
-                STORE: tl.constexpr, STORE_T: tl.constexpr, EXACT: tl.constexpr, AMAX: tl.constexpr,
-                TRANS_Y: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def diag_kernel(
+    src,
+    stride_e,
+    stride_n,
+    stride_k,
+    data,
+    scales,
+    data_t,
+    scales_t,
+    N,
+    K,
+    STORE: tl.constexpr,
+    STORE_T: tl.constexpr,
+    EXACT: tl.constexpr,
+    AMAX: tl.constexpr,
+    TRANS_Y: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     e, nb, kb, n_blocks, k_blocks = _block_ids(N, K, BLOCK_N, BLOCK_K)  # the production kernel's blocks
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_K)
@@ -58,6 +74,7 @@ def diag_kernel(src, stride_e, stride_n, stride_k, data, scales, data_t, scales_
             tl.store(out_t + c[:, None] * N + r[None, :], tl.trans(q))
     tl.store(scales_t + (e * k_blocks + kb) * n_blocks + nb, scale)
 
+
 def run(w, cfg, nw):
     """ms of one diag_kernel launch over w with the switches cfg."""
     E, N, K = w.shape
@@ -66,8 +83,13 @@ def run(w, cfg, nw):
     scales = torch.empty(E, N // 128, K // 128, device=w.device)
     scales_t = torch.empty(E, K // 128, N // 128, device=w.device)
     grid = (E * (N // 128) * (K // 128),)
-    return median_ms(lambda: diag_kernel[grid](w, *w.stride(), data, scales, data_t, scales_t, N, K, **cfg,
-                                               BLOCK_N=128, BLOCK_K=128, num_warps=nw), 20, 3)
+    return median_ms(
+        lambda: diag_kernel[grid](
+            w, *w.stride(), data, scales, data_t, scales_t, N, K, **cfg, BLOCK_N=128, BLOCK_K=128, num_warps=nw
+        ),
+        20,
+        3,
+    )
 
 
 def main():
@@ -78,7 +100,7 @@ def main():
         w = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
         n = w.numel()
         floor = n * 4 / (bw * 1e6)
-        print(f"\n{name} {shape}: {n/1e6:.0f} M elements, floor (2 B read + 2 x 1 B write) {floor:.3f} ms")
+        print(f"\n{name} {shape}: {n / 1e6:.0f} M elements, floor (2 B read + 2 x 1 B write) {floor:.3f} ms")
         t = median_ms(lambda: W.quantize_blocks(w, chunk=None), 20, 3)
         print(f"  quantize_blocks as it runs by default (64 rows at a time, 8 warps): {t:.3f} ms")
         t = median_ms(lambda: W.quantize_blocks(w, chunk=None, num_warps=16, rows_per_step=None), 20, 3)

@@ -17,12 +17,11 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from bench_layer import SHAPES as LAYER_SHAPES
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
 from megamoe_train.graphs import GraphedMegaMoE
 from megamoe_train.launch import spawn
-
-from bench_layer import SHAPES as LAYER_SHAPES
 
 SHAPES = dict(LAYER_SHAPES, small=(32, 4, 1024, 512, 2048))  # (experts, topk, hidden, intermediate, tokens per GPU)
 
@@ -82,8 +81,10 @@ def _busy_summary(prof) -> str:
     busy += cur_e - cur_s
     total = sum(e - s for s, e in spans)
     window = spans[-1][1] - spans[0][0]
-    return (f"profiled forward+backward: {len(spans)} kernels, {total / 1e3:.3f} ms of kernel time, GPU busy "
-            f"{busy / 1e3:.3f} of {window / 1e3:.3f} ms first-to-last kernel ({100 * busy / window:.0f}%)")
+    return (
+        f"profiled forward+backward: {len(spans)} kernels, {total / 1e3:.3f} ms of kernel time, GPU busy "
+        f"{busy / 1e3:.3f} of {window / 1e3:.3f} ms first-to-last kernel ({100 * busy / window:.0f}%)"
+    )
 
 
 def _timeline(prof) -> str:
@@ -161,13 +162,18 @@ def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False, timelin
     t_fwd, t_all = _time(fwd, iters), _time(fwd_bwd, iters)
     if rank == 0:
         how = "forward+backward replayed from CUDA graphs" if cuda_graph else "forward+backward"
-        print(f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, {how} {t_all:.3f} ms", flush=True)
+        print(
+            f"{shape} {recipe} world={world} backend={backend}: forward {t_fwd:.3f} ms, {how} {t_all:.3f} ms",
+            flush=True,
+        )
     if host:
         _host_profile(fwd, fwd_bwd, min(iters, 8), rank)  # 8 calls fit in the launch queue at P
         return
     dist.barrier()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         if timeline:
             torch.cuda._sleep(50_000_000)  # ~25 ms: the host queues the whole iteration meanwhile
         fwd_bwd()
@@ -176,7 +182,10 @@ def worker(rank, world, shape, recipe, backend, iters, cuda_graph=False, timelin
         print(_busy_summary(prof), flush=True)
         if timeline:
             print(_timeline(prof), flush=True)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+        print(
+            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60),
+            flush=True,
+        )
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=40), flush=True)
 
 
@@ -187,10 +196,19 @@ def main():
     p.add_argument("--backend", default="triton")
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--cuda-graph", action="store_true", help="forward+backward through megamoe_train.graphs.GraphedMegaMoE")
-    p.add_argument("--timeline", action="store_true", help="also print the profiled iteration's kernels in order, host queued ahead")
-    p.add_argument("--host", action="store_true",
-                   help="instead of the kernel profile: host time per call with the GPU ahead, and a cProfile of the host")
+    p.add_argument(
+        "--cuda-graph", action="store_true", help="forward+backward through megamoe_train.graphs.GraphedMegaMoE"
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print the profiled iteration's kernels in order, host queued ahead",
+    )
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="instead of the kernel profile: host time per call with the GPU ahead, and a cProfile of the host",
+    )
     a = p.parse_args()
     spawn(worker, a.world, (a.shape, a.recipe, a.backend, a.iters, a.cuda_graph, a.timeline, a.host), backend="nccl")
 

@@ -12,6 +12,7 @@ import torch
 
 _SPIN_CYCLES = 200_000  # ~0.1 ms at H200 clocks: longer than queueing a few launches
 
+
 def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()

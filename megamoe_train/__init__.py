@@ -2,10 +2,10 @@
 
 from .autograd import mega_moe
 from .config import MegaMoEConfig
+from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError
 from .layer import MegaMoELayer
 from .precision import RECIPES, PrecisionRecipe
 from .symm_buffer import SymmBuffer, destroy_all_symm_buffers, get_symm_buffer, register_layer
-from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError
 from .weights import ExpertWeights, transform_weights
 
 __all__ = [

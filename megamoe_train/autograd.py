@@ -25,18 +25,38 @@ class MegaMoEFunction(torch.autograd.Function):
     the executor that mega_moe picked."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, executor, recv_stats, layer_id,
-                fuse_wgrad_accumulation, prepared_weights):
+    def forward(
+        ctx,
+        x,
+        topk_idx,
+        topk_weights,
+        w1,
+        w2,
+        shared_w1,
+        shared_w2,
+        buffer,
+        executor,
+        recv_stats,
+        layer_id,
+        fuse_wgrad_accumulation,
+        prepared_weights,
+    ):
         try:
             weights = prepared_weights if prepared_weights is not None else transform_weights(w1, w2, buffer.config)
         except BaseException as err:
             _leave(buffer, "the weight transform", err)
             raise
         shared = (shared_w1.detach(), shared_w2.detach()) if shared_w1 is not None else None
-        y, saved = protocol.forward(executor, buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared,
-                                    recv_stats, None, layer_id)
+        y, saved = protocol.forward(
+            executor, buffer, x.detach(), topk_idx, topk_weights.detach(), weights, shared, recv_stats, None, layer_id
+        )
         ctx.buffer, ctx.executor, ctx.saved, ctx.weights, ctx.shared = buffer, executor, saved, weights, shared
-        ctx.param_dtypes = (w1.dtype, w2.dtype, None if shared is None else shared_w1.dtype, None if shared is None else shared_w2.dtype)
+        ctx.param_dtypes = (
+            w1.dtype,
+            w2.dtype,
+            None if shared is None else shared_w1.dtype,
+            None if shared is None else shared_w2.dtype,
+        )
         ctx.fused_weights = (w1, w2) if fuse_wgrad_accumulation else None
         ctx.mark_non_differentiable(topk_idx)
         return y
@@ -52,7 +72,13 @@ class MegaMoEFunction(torch.autograd.Function):
             _leave(buffer, "the backward's preparation", err)
             raise
         grad_x, grad_tw, grad_w1, grad_w2, grad_sw1, grad_sw2 = protocol.backward(
-            ctx.executor, buffer, ctx.saved, grad_y, ctx.weights, ctx.shared, wgrad_targets=targets,
+            ctx.executor,
+            buffer,
+            ctx.saved,
+            grad_y,
+            ctx.weights,
+            ctx.shared,
+            wgrad_targets=targets,
         )
         dt_w1, dt_w2, dt_sw1, dt_sw2 = ctx.param_dtypes
         ctx.saved = ctx.fused_weights = None
@@ -118,12 +144,33 @@ def mega_moe(
     buffer.check_usable()  # first: after a device barrier's trap this names the rank and call, not a CUDA error
     executor = resolve_backend(backend, buffer)
     problem = check_inputs(
-        buffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats,
-        check_ids=not executor.checks_ids_on_device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        buffer,
+        x,
+        topk_idx,
+        topk_weights,
+        w1,
+        w2,
+        shared_w1,
+        shared_w2,
+        recv_stats,
+        check_ids=not executor.checks_ids_on_device,
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         prepared_weights=prepared_weights,
     )
     if problem is not None:  # still take part in the status exchange so peers fail too
         protocol.forward(executor, buffer, None, None, None, None, None, None, problem, layer_id)
-    return MegaMoEFunction.apply(x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, buffer, executor, recv_stats,
-                                 layer_id, fuse_wgrad_accumulation, prepared_weights)
-
+    return MegaMoEFunction.apply(
+        x,
+        topk_idx,
+        topk_weights,
+        w1,
+        w2,
+        shared_w1,
+        shared_w2,
+        buffer,
+        executor,
+        recv_stats,
+        layer_id,
+        fuse_wgrad_accumulation,
+        prepared_weights,
+    )

@@ -57,8 +57,11 @@ class MegaMoEConfig:
         recipe = get_recipe(self.recipe)
         if self.dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"dtype: must be one of {_COMPUTE_DTYPES}, got {self.dtype}")
-        if (not isinstance(self.num_shared_experts, int) or isinstance(self.num_shared_experts, bool)
-                or self.num_shared_experts < 0):
+        if (
+            not isinstance(self.num_shared_experts, int)
+            or isinstance(self.num_shared_experts, bool)
+            or self.num_shared_experts < 0
+        ):
             raise ValueError(f"num_shared_experts: must be an int >= 0, got {self.num_shared_experts!r}")
         if self.shared_intermediate is not None:
             if self.num_shared_experts == 0:
@@ -76,7 +79,9 @@ class MegaMoEConfig:
                     if value % block:
                         raise ValueError(f"{name}: {value} must be a multiple of {block} for recipe {self.recipe!r}")
             if recipe.weight_block[0] > 1 and self.hidden % recipe.weight_block[0]:
-                raise ValueError(f"hidden: {self.hidden} must be a multiple of {recipe.weight_block[0]} for recipe {self.recipe!r}")
+                raise ValueError(
+                    f"hidden: {self.hidden} must be a multiple of {recipe.weight_block[0]} for recipe {self.recipe!r}"
+                )
         if self.intermediate % recipe.gate_up_chunk:
             raise ValueError(
                 f"intermediate: {self.intermediate} must be a multiple of {recipe.gate_up_chunk} "

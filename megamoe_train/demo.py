@@ -30,8 +30,13 @@ def _route(logits: torch.Tensor, topk: int):
 def _train(rank: int, world: int, args):
     torch.manual_seed(1234)  # same teacher and initial router on every rank
     cfg = MegaMoEConfig(
-        num_experts=args.experts, hidden=args.hidden, intermediate=args.intermediate, topk=args.topk,
-        num_max_tokens_per_rank=args.tokens, dtype=torch.float32, block_m=16,
+        num_experts=args.experts,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        topk=args.topk,
+        num_max_tokens_per_rank=args.tokens,
+        dtype=torch.float32,
+        block_m=16,
     )
     teacher_router = torch.randn(args.hidden, args.experts)
     teacher_w1 = torch.randn(args.experts, 2 * args.intermediate, args.hidden) * args.hidden**-0.5
@@ -48,8 +53,11 @@ def _train(rank: int, world: int, args):
         teacher.w2.copy_(teacher_w2[mine])
 
     if rank == 0:
-        print(f"[demo] {world} ranks x {layer.num_local_experts} experts, {args.tokens} tokens/rank, "
-              f"hidden {args.hidden}, intermediate {args.intermediate}, top-{args.topk}", flush=True)
+        print(
+            f"[demo] {world} ranks x {layer.num_local_experts} experts, {args.tokens} tokens/rank, "
+            f"hidden {args.hidden}, intermediate {args.intermediate}, top-{args.topk}",
+            flush=True,
+        )
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x = torch.randn(args.tokens, args.hidden)

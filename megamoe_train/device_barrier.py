@@ -69,19 +69,65 @@ def _fence_system(x, GLOBALTIMER: tl.constexpr):
         tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit(debug=True, do_not_specialize=[
-    "area_offset", "me", "world", "tag", "timeout_ns", "record_addr", "wait_addr", "exchange", "slot_addr",
-    "verdict_addr", "epoch", "layer", "phase", "status_out_addr", "ok_out_addr", "check_status"])
+@triton.jit(
+    debug=True,
+    do_not_specialize=[
+        "area_offset",
+        "me",
+        "world",
+        "tag",
+        "timeout_ns",
+        "record_addr",
+        "wait_addr",
+        "exchange",
+        "slot_addr",
+        "verdict_addr",
+        "epoch",
+        "layer",
+        "phase",
+        "status_out_addr",
+        "ok_out_addr",
+        "check_status",
+    ],
+)
 def _barrier_kernel(
-    peer_bases, area_offset, me, world, tag, timeout_ns, record_addr, wait_addr,
-    exchange, slot_addr, verdict_addr, epoch, layer, phase, status_out_addr, ok_out_addr, check_status,
-    GLOBALTIMER: tl.constexpr, POLL_NS: tl.constexpr,
-    WORDS: tl.constexpr, ARRIVED: tl.constexpr, TAGS: tl.constexpr, FAILED: tl.constexpr,
+    peer_bases,
+    area_offset,
+    me,
+    world,
+    tag,
+    timeout_ns,
+    record_addr,
+    wait_addr,
+    exchange,
+    slot_addr,
+    verdict_addr,
+    epoch,
+    layer,
+    phase,
+    status_out_addr,
+    ok_out_addr,
+    check_status,
+    GLOBALTIMER: tl.constexpr,
+    POLL_NS: tl.constexpr,
+    WORDS: tl.constexpr,
+    ARRIVED: tl.constexpr,
+    TAGS: tl.constexpr,
+    FAILED: tl.constexpr,
     STATUS_OK: tl.constexpr,
-    K_TIMED_OUT: tl.constexpr, K_PEER_FAILED: tl.constexpr, K_OUT_OF_STEP: tl.constexpr,
-    K_CALL_MISMATCH: tl.constexpr, K_BAD_INPUT: tl.constexpr,
-    R_KIND: tl.constexpr, R_RANK: tl.constexpr, R_TAG: tl.constexpr, R_PEER: tl.constexpr,
-    R_VALUE: tl.constexpr, R_TIMEOUT_MS: tl.constexpr, R_MY_WORD: tl.constexpr, R_PEER_WORD: tl.constexpr,
+    K_TIMED_OUT: tl.constexpr,
+    K_PEER_FAILED: tl.constexpr,
+    K_OUT_OF_STEP: tl.constexpr,
+    K_CALL_MISMATCH: tl.constexpr,
+    K_BAD_INPUT: tl.constexpr,
+    R_KIND: tl.constexpr,
+    R_RANK: tl.constexpr,
+    R_TAG: tl.constexpr,
+    R_PEER: tl.constexpr,
+    R_VALUE: tl.constexpr,
+    R_TIMEOUT_MS: tl.constexpr,
+    R_MY_WORD: tl.constexpr,
+    R_PEER_WORD: tl.constexpr,
 ):
     tag = tag.to(tl.int64)
     my_base = tl.load(peer_bases + me)
@@ -195,8 +241,18 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int, timeout_s: float,
-                   record, wait_ns, exchange=None, poll_ns: int = 1000):
+def device_barrier(
+    peer_bases,
+    area_offset: int,
+    rank: int,
+    world: int,
+    tag: int,
+    timeout_s: float,
+    record,
+    wait_ns,
+    exchange=None,
+    poll_ns: int = 1000,
+):
     """Launch one barrier on the current stream (never waits on the host).
 
     peer_bases: int64 [R] tensor of every rank's buffer base address (device memory on CUDA);
@@ -221,14 +277,41 @@ def device_barrier(peer_bases, area_offset: int, rank: int, world: int, tag: int
         slot_addr, verdict, name, status_out, all_ok_out, compare = exchange
         verdict_addr, out_addr, ok_addr = verdict.data_ptr(), status_out.data_ptr(), all_ok_out.data_ptr()
     _barrier_kernel[(1,)](
-        peer_bases, area_offset, rank, world, tag, int(timeout_s * 1e9), record.data_ptr(), wait_ns.data_ptr(),
-        int(exchange is not None), slot_addr, verdict_addr, *name, out_addr, ok_addr, int(compare),
-        GLOBALTIMER=not interpreted(), POLL_NS=poll_ns,
-        WORDS=WORDS, ARRIVED=ARRIVED, TAGS=TAGS, FAILED=FAILED, STATUS_OK=STATUS_OK,
-        K_TIMED_OUT=f.TIMED_OUT, K_PEER_FAILED=f.PEER_FAILED, K_OUT_OF_STEP=f.OUT_OF_STEP,
-        K_CALL_MISMATCH=f.CALL_MISMATCH, K_BAD_INPUT=f.BAD_INPUT,
-        R_KIND=f.KIND, R_RANK=f.RANK, R_TAG=f.TAG, R_PEER=f.PEER, R_VALUE=f.VALUE, R_TIMEOUT_MS=f.TIMEOUT_MS,
-        R_MY_WORD=f.MY_WORD, R_PEER_WORD=f.PEER_WORD,
+        peer_bases,
+        area_offset,
+        rank,
+        world,
+        tag,
+        int(timeout_s * 1e9),
+        record.data_ptr(),
+        wait_ns.data_ptr(),
+        int(exchange is not None),
+        slot_addr,
+        verdict_addr,
+        *name,
+        out_addr,
+        ok_addr,
+        int(compare),
+        GLOBALTIMER=not interpreted(),
+        POLL_NS=poll_ns,
+        WORDS=WORDS,
+        ARRIVED=ARRIVED,
+        TAGS=TAGS,
+        FAILED=FAILED,
+        STATUS_OK=STATUS_OK,
+        K_TIMED_OUT=f.TIMED_OUT,
+        K_PEER_FAILED=f.PEER_FAILED,
+        K_OUT_OF_STEP=f.OUT_OF_STEP,
+        K_CALL_MISMATCH=f.CALL_MISMATCH,
+        K_BAD_INPUT=f.BAD_INPUT,
+        R_KIND=f.KIND,
+        R_RANK=f.RANK,
+        R_TAG=f.TAG,
+        R_PEER=f.PEER,
+        R_VALUE=f.VALUE,
+        R_TIMEOUT_MS=f.TIMEOUT_MS,
+        R_MY_WORD=f.MY_WORD,
+        R_PEER_WORD=f.PEER_WORD,
         num_warps=1,
     )
     if interpreted() and int(record[f.KIND]) != 0:  # the interpreter does not trap: stop here instead

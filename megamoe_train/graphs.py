@@ -71,8 +71,19 @@ class GraphedMegaMoE:
     here. Built per layer (layers sharing a buffer keep their own layer_id and graphs).
     """
 
-    def __init__(self, buffer: SymmBuffer, w1, w2, *, shared_w1=None, shared_w2=None, backend: str = "auto",
-                 layer_id: int = 0, warmup_calls: int = 2, fuse_wgrad_accumulation: bool = False):
+    def __init__(
+        self,
+        buffer: SymmBuffer,
+        w1,
+        w2,
+        *,
+        shared_w1=None,
+        shared_w2=None,
+        backend: str = "auto",
+        layer_id: int = 0,
+        warmup_calls: int = 2,
+        fuse_wgrad_accumulation: bool = False,
+    ):
         if buffer.device.type != "cuda":
             raise ValueError("GraphedMegaMoE: CUDA graphs need a CUDA buffer")
         if fuse_wgrad_accumulation and not (hasattr(w1, "main_grad") and hasattr(w2, "main_grad")):
@@ -99,21 +110,39 @@ class GraphedMegaMoE:
         self.weight_preparations = 0  # replays of the weight-preparation graph (quantized recipes)
         self._prepared = self._prepared_state = None
 
-    def serves(self, buffer: SymmBuffer, w1, w2, shared_w1=None, shared_w2=None, fuse_wgrad_accumulation: bool = False) -> bool:
+    def serves(
+        self, buffer: SymmBuffer, w1, w2, shared_w1=None, shared_w2=None, fuse_wgrad_accumulation: bool = False
+    ) -> bool:
         """Whether this stands for mega_moe over these arguments: the same buffer and fusion, the
         same weights in the same storage. Megatron DDP moves parameters into its buffers when it
         wraps the model, so a layer called before the wrap must build its graphed call anew."""
         weights = (w1, w2, shared_w1, shared_w2)
-        return (buffer is self.buffer and bool(fuse_wgrad_accumulation) == self.fuse
-                and all(a is b for a, b in zip(weights, self.weights)) and _storage(weights) == self._weight_storage)
+        return (
+            buffer is self.buffer
+            and bool(fuse_wgrad_accumulation) == self.fuse
+            and all(a is b for a, b in zip(weights, self.weights))
+            and _storage(weights) == self._weight_storage
+        )
 
     # ------------------------------------------------------------------ capture
 
     def _call(self, x, topk_idx, topk_weights, recv_stats, weights=None, prepared=None):
         w1, w2, sw1, sw2 = weights or self.weights
-        return mega_moe(x, topk_idx, topk_weights, w1, w2, self.buffer, shared_w1=sw1, shared_w2=sw2,
-                        recv_stats=recv_stats, backend=self.backend, layer_id=self.layer_id,
-                        fuse_wgrad_accumulation=self.fuse, prepared_weights=prepared)
+        return mega_moe(
+            x,
+            topk_idx,
+            topk_weights,
+            w1,
+            w2,
+            self.buffer,
+            shared_w1=sw1,
+            shared_w2=sw2,
+            recv_stats=recv_stats,
+            backend=self.backend,
+            layer_id=self.layer_id,
+            fuse_wgrad_accumulation=self.fuse,
+            prepared_weights=prepared,
+        )
 
     def _quantizes_weights(self) -> bool:
         return self.buffer.config.precision.weight_format != "native"
@@ -205,8 +234,10 @@ class GraphedMegaMoE:
     def __call__(self, x, topk_idx, topk_weights, recv_stats=None):
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, topk_weights, *self.params)):
             return self._call(x, topk_idx, topk_weights, recv_stats)
-        if self._captured_signature is not None and (_signature(x, topk_idx, topk_weights) != self._captured_signature
-                                                     or self._main_grads() != self._captured_main_grads):
+        if self._captured_signature is not None and (
+            _signature(x, topk_idx, topk_weights) != self._captured_signature
+            or self._main_grads() != self._captured_main_grads
+        ):
             return self._call(x, topk_idx, topk_weights, recv_stats)
         overwrite = self.fuse and wants_overwrite(*self.weights[:2])
         if overwrite not in self.pairs:
@@ -222,11 +253,16 @@ class GraphedMegaMoE:
         if recv_stats is not None:
             # checked after the replay: peers are in the same collective call (an eager call's
             # check rides in its status exchange instead)
-            if (recv_stats.dtype != torch.int64 or recv_stats.shape != self.recv_counts.shape
-                    or recv_stats.device != self.recv_counts.device):
+            if (
+                recv_stats.dtype != torch.int64
+                or recv_stats.shape != self.recv_counts.shape
+                or recv_stats.device != self.recv_counts.device
+            ):
                 self.recv_counts.zero_()
-                raise ValueError(f"recv_stats: expected int64 {list(self.recv_counts.shape)} on {self.recv_counts.device}, "
-                                 f"got {recv_stats.dtype} {list(recv_stats.shape)} on {recv_stats.device}")
+                raise ValueError(
+                    f"recv_stats: expected int64 {list(self.recv_counts.shape)} on {self.recv_counts.device}, "
+                    f"got {recv_stats.dtype} {list(recv_stats.shape)} on {recv_stats.device}"
+                )
             recv_stats += self.recv_counts
         self.recv_counts.zero_()
         return y
@@ -272,8 +308,10 @@ class _Replay(torch.autograd.Function):
         # accumulation the replay already put w1's and w2's into main_grad: their grads are the
         # captured placeholders, flagged for the hook as mega_moe flags them, and an overwrite
         # request is used up.
-        param_grads = [grad.detach() if grad is not None and hasattr(p, "main_grad") else grad
-                       for p, grad in ((p, take(p)) for p in g.params)]
+        param_grads = [
+            grad.detach() if grad is not None and hasattr(p, "main_grad") else grad
+            for p, grad in ((p, take(p)) for p in g.params)
+        ]
         if g.fuse:
             for p in g.params[:2]:
                 p.grad_added_to_main_grad = True

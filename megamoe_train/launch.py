@@ -62,7 +62,7 @@ def rank_cpus(rank: int, world_size: int) -> list[int]:
     sharing = [r for r in range(world_size) if local[r] == mine]
     per = max(1, len(mine) // len(sharing))
     start = sharing.index(rank) * per
-    return mine[start:start + per] or mine
+    return mine[start : start + per] or mine
 
 
 def place_rank(rank: int, world_size: int, backend: str, pin_cpus: bool = False):

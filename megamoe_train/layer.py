@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .autograd import mega_moe
-from .graphs import GraphedMegaMoE
 from .config import MegaMoEConfig
+from .graphs import GraphedMegaMoE
 from .symm_buffer import SymmBuffer, get_symm_buffer, register_layer
 
 _PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # validation.py's weight dtypes
@@ -108,8 +108,15 @@ class MegaMoELayer(nn.Module):
         if self.cuda_graph and x.is_cuda:
             buffer = self.buffer
             if self._graphed is None or self._graphed.buffer is not buffer:
-                self._graphed = GraphedMegaMoE(buffer, self.w1, self.w2, shared_w1=self.shared_w1, shared_w2=self.shared_w2,
-                                               backend=self.backend, layer_id=self.layer_id)
+                self._graphed = GraphedMegaMoE(
+                    buffer,
+                    self.w1,
+                    self.w2,
+                    shared_w1=self.shared_w1,
+                    shared_w2=self.shared_w2,
+                    backend=self.backend,
+                    layer_id=self.layer_id,
+                )
             return self._graphed(x, topk_idx, topk_weights, self.expert_recv_stats)
         return mega_moe(
             x,

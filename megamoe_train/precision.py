@@ -91,8 +91,9 @@ RECIPES: dict[str, PrecisionRecipe] = {
     "fp8": PrecisionRecipe("fp8", "e4m3", 128, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3"),
     # fp8 with DeepSeek-V3's fp8 wgrads as well: both wgrad operands in 1x128 blocks along the
     # tokens (their reduction dim). Slower and less accurate than "fp8" today; for experiments.
-    "fp8_e4m3_wgrad": PrecisionRecipe("fp8_e4m3_wgrad", "e4m3", 128, "e4m3", (128, 128), "fp32", 128,
-                                      grad_format="e4m3", wgrad_format="e4m3"),
+    "fp8_e4m3_wgrad": PrecisionRecipe(
+        "fp8_e4m3_wgrad", "e4m3", 128, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3", wgrad_format="e4m3"
+    ),
     # MX recipe of the seeds: E4M3 activations and E2M1 weights, 1x32 power-of-two scales.
     "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
 }

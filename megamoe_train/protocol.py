@@ -99,8 +99,14 @@ def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int, deferred: b
         what = ""
         if rank in bad:
             what = "this rank's input was rejected (an expert id outside [0, num_experts) if nothing else was reported; use -1 to mask a slot); "
-        effect = "that call moved no rows and its output holds only the shared experts" if deferred else "no rows were exchanged"
-        raise MegaMoEInputError(f"mega_moe (rank {rank}, call {call}): {what}rank(s) {bad} rejected their input; {effect}")
+        effect = (
+            "that call moved no rows and its output holds only the shared experts"
+            if deferred
+            else "no rows were exchanged"
+        )
+        raise MegaMoEInputError(
+            f"mega_moe (rank {rank}, call {call}): {what}rank(s) {bad} rejected their input; {effect}"
+        )
     _raise_on_mismatch(status, rank, deferred)
 
 
@@ -148,9 +154,14 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forw
     captured = buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     # The words are int32: epoch and phase wrap (phase 2n passes 2^31 at call 2^30), alike on every rank.
     name = (call % _WORD_RANGE, layer_id, _phase(call, forward_call) % _WORD_RANGE)
-    status, all_ok = buf.exchange_status(call * 4 + BARRIER_EXCHANGED, call % 2, verdict,
-                                         name, compare_on_device=captured,
-                                         wait_site=_wait_site(forward_call is not None, BARRIER_EXCHANGED))
+    status, all_ok = buf.exchange_status(
+        call * 4 + BARRIER_EXCHANGED,
+        call % 2,
+        verdict,
+        name,
+        compare_on_device=captured,
+        wait_site=_wait_site(forward_call is not None, BARRIER_EXCHANGED),
+    )
     return status, call, all_ok
 
 
@@ -207,8 +218,18 @@ def _join_shared(buf: SymmBuffer):
 
 
 @_guarded
-def forward(executor: Executor, buf: SymmBuffer, x, topk_idx, topk_weights, weights: ExpertWeights, shared, recv_stats,
-            problem, layer_id: int = 0):
+def forward(
+    executor: Executor,
+    buf: SymmBuffer,
+    x,
+    topk_idx,
+    topk_weights,
+    weights: ExpertWeights,
+    shared,
+    recv_stats,
+    problem,
+    layer_id: int = 0,
+):
     """One forward call. Returns (y [T, H] in config.dtype, SavedForward). With `problem` (this
     rank's input is bad, x etc. are None) it takes part in the exchange and raises. layer_id
     names the caller in the status word (layers sharing a buffer must differ)."""
@@ -234,6 +255,7 @@ def forward(executor: Executor, buf: SymmBuffer, x, topk_idx, topk_weights, weig
     # Shared experts fill this rank's own partial row (index R), which no peer writes.
     shared_pre_act = None
     if shared is not None:
+
         def shared_row(x_, w1_, w2_):
             out, h = executor.shared_forward(x_, w1_, w2_, cfg.activation_clamp)
             buf.regions().partials[R, :T].copy_(out)
@@ -261,15 +283,29 @@ def forward(executor: Executor, buf: SymmBuffer, x, topk_idx, topk_weights, weig
         buf.session.defer(status, call)
 
     saved = SavedForward(
-        num_tokens=T, call=call, layer_id=layer_id, own_mask=own_mask, partial_mask=partial_mask, plan=plan,
-        experts=experts, x=x if shared is not None else None, shared_pre_act=shared_pre_act,
+        num_tokens=T,
+        call=call,
+        layer_id=layer_id,
+        own_mask=own_mask,
+        partial_mask=partial_mask,
+        plan=plan,
+        experts=experts,
+        x=x if shared is not None else None,
+        shared_pre_act=shared_pre_act,
     )
     return y, saved
 
 
 @_guarded
-def backward(executor: Executor, buf: SymmBuffer, saved: SavedForward, grad_y: torch.Tensor, weights: ExpertWeights,
-             shared, wgrad_targets=None):
+def backward(
+    executor: Executor,
+    buf: SymmBuffer,
+    saved: SavedForward,
+    grad_y: torch.Tensor,
+    weights: ExpertWeights,
+    shared,
+    wgrad_targets=None,
+):
     """Returns (grad_x, grad_topk_weights, grad_w1, grad_w2, grad_shared_w1, grad_shared_w2);
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]. With
     wgrad_targets (w1's, w2's main_grad.WgradTarget: tensors of the weights' shapes) the expert
@@ -282,6 +318,7 @@ def backward(executor: Executor, buf: SymmBuffer, saved: SavedForward, grad_y: t
     buf.regions().grad_y[:T].copy_(grad_y)
     grad_shared = (None, None)
     if shared is not None:
+
         def shared_grads(x_, w1_, w2_, h_, gy_):
             dx, dw1, dw2 = executor.shared_backward(x_, w1_, w2_, h_, cfg.activation_clamp, gy_)
             buf.regions().partials[R, :T].copy_(dx)
@@ -296,8 +333,9 @@ def backward(executor: Executor, buf: SymmBuffer, saved: SavedForward, grad_y: t
 
     # 2-4. Pull dY once per (source, token); expert backward; push dX partials and d(topk weight).
     pool_grad = executor.pull_grad(buf, saved.plan)
-    dx_rows, row_weight_grads, grad_w1, grad_w2 = executor.experts_backward(cfg, weights, saved.plan, saved.experts, pool_grad,
-                                                                            wgrad_targets)
+    dx_rows, row_weight_grads, grad_w1, grad_w2 = executor.experts_backward(
+        cfg, weights, saved.plan, saved.experts, pool_grad, wgrad_targets
+    )
     executor.push_partials(buf, saved.plan, dx_rows, row_weight_grads)
     if shared is not None:
         _join_shared(buf)

@@ -209,16 +209,24 @@ def quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor
     """
     if recipe.act_format == "native":
         return x, None
-    return _quantize_rows("quantize_act", x, recipe.act_format, recipe.act_block, recipe.scale_format,
-                          f"{recipe.name!r} activation")
+    return _quantize_rows(
+        "quantize_act", x, recipe.act_format, recipe.act_block, recipe.scale_format, f"{recipe.name!r} activation"
+    )
 
 
 def dequantize_act(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
     """Exact float32 value of stored activations: element * its block's scale."""
     if recipe.act_format == "native":
         return data.float()
-    return _dequantize_rows("dequantize_act", data, scales, recipe.act_format, recipe.act_block, recipe.scale_format,
-                            f"{recipe.name!r} activation")
+    return _dequantize_rows(
+        "dequantize_act",
+        data,
+        scales,
+        recipe.act_format,
+        recipe.act_block,
+        recipe.scale_format,
+        f"{recipe.name!r} activation",
+    )
 
 
 def fake_quantize_act(x: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
@@ -234,15 +242,23 @@ def quantize_grad(g: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tenso
     the activation quantizer's rounding, 1 x recipe.act_block blocks along K. Native: (g, None)."""
     if recipe.grad_format == "native":
         return g, None
-    return _quantize_rows("quantize_grad", g, recipe.grad_format, recipe.act_block, recipe.scale_format,
-                          f"{recipe.name!r} gradient")
+    return _quantize_rows(
+        "quantize_grad", g, recipe.grad_format, recipe.act_block, recipe.scale_format, f"{recipe.name!r} gradient"
+    )
 
 
 def dequantize_grad(data: torch.Tensor, scales: torch.Tensor | None, recipe: PrecisionRecipe) -> torch.Tensor:
     if recipe.grad_format == "native":
         return data.float()
-    return _dequantize_rows("dequantize_grad", data, scales, recipe.grad_format, recipe.act_block, recipe.scale_format,
-                            f"{recipe.name!r} gradient")
+    return _dequantize_rows(
+        "dequantize_grad",
+        data,
+        scales,
+        recipe.grad_format,
+        recipe.act_block,
+        recipe.scale_format,
+        f"{recipe.name!r} gradient",
+    )
 
 
 def fake_quantize_grad(g: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:
@@ -262,13 +278,22 @@ def quantize_tokens_t(values: torch.Tensor, recipe: PrecisionRecipe) -> tuple[to
     if recipe.wgrad_format == "native":
         return values.t(), None
     if not values.is_floating_point() or values.dim() != 2:
-        raise ValueError(f"quantize_tokens_t: expected a floating tensor [P, C], got {values.dtype} "
-                         f"{list(values.shape)}")
+        raise ValueError(
+            f"quantize_tokens_t: expected a floating tensor [P, C], got {values.dtype} {list(values.shape)}"
+        )
     if values.shape[0] % recipe.act_block:
-        raise ValueError(f"quantize_tokens_t: {values.shape[0]} rows are not a multiple of the {recipe.name!r} "
-                         f"wgrad token block {recipe.act_block}")
-    data, scales = _quantize_rows("quantize_tokens_t", values.t(), recipe.wgrad_format, recipe.act_block,
-                                  recipe.scale_format, f"{recipe.name!r} wgrad token")
+        raise ValueError(
+            f"quantize_tokens_t: {values.shape[0]} rows are not a multiple of the {recipe.name!r} "
+            f"wgrad token block {recipe.act_block}"
+        )
+    data, scales = _quantize_rows(
+        "quantize_tokens_t",
+        values.t(),
+        recipe.wgrad_format,
+        recipe.act_block,
+        recipe.scale_format,
+        f"{recipe.name!r} wgrad token",
+    )
     return data.contiguous(), scales.contiguous()
 
 
@@ -276,8 +301,15 @@ def dequantize_tokens_t(data: torch.Tensor, scales: torch.Tensor | None, recipe:
     """Exact float32 value [C, P] of quantize_tokens_t's output (still transposed)."""
     if recipe.wgrad_format == "native":
         return data.float()
-    return _dequantize_rows("dequantize_tokens_t", data, scales, recipe.wgrad_format, recipe.act_block,
-                            recipe.scale_format, f"{recipe.name!r} wgrad token")
+    return _dequantize_rows(
+        "dequantize_tokens_t",
+        data,
+        scales,
+        recipe.wgrad_format,
+        recipe.act_block,
+        recipe.scale_format,
+        f"{recipe.name!r} wgrad token",
+    )
 
 
 def fake_quantize_tokens(values: torch.Tensor, recipe: PrecisionRecipe) -> torch.Tensor:

@@ -143,8 +143,15 @@ class SymmBuffer:
             self.fail(str(err), tag)
             raise
 
-    def exchange_status(self, tag: int, parity: int, verdict: torch.Tensor, name: tuple[int, int, int],
-                        compare_on_device: bool = False, wait_site: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def exchange_status(
+        self,
+        tag: int,
+        parity: int,
+        verdict: torch.Tensor,
+        name: tuple[int, int, int],
+        compare_on_device: bool = False,
+        wait_site: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Barrier `tag` with the status exchange of a call (StatusExchange) in status slot
         `parity`: this rank's verdict (int32 scalar on the device) and call name (epoch, layer
         id, phase) to every rank. Returns (this rank's slot after the barrier, int32 [R, 4]; a
@@ -153,9 +160,13 @@ class SymmBuffer:
         R = self.world_size
         region = self.layout.regions["status"]
         exchange = StatusExchange(
-            slot_offset=region.offset + parity * R * region.row_bytes, verdict=verdict, name=name,
+            slot_offset=region.offset + parity * R * region.row_bytes,
+            verdict=verdict,
+            name=name,
             status_out=torch.empty(R, 4, dtype=torch.int32, device=self.device),
-            all_ok=torch.empty((), dtype=torch.bool, device=self.device), compare_on_device=compare_on_device)
+            all_ok=torch.empty((), dtype=torch.bool, device=self.device),
+            compare_on_device=compare_on_device,
+        )
         self.barrier(tag, exchange, wait_site)
         return exchange.status_out, exchange.all_ok
 

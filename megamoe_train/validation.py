@@ -31,8 +31,18 @@ def _check_tensor(name, t, shape, dtypes, device) -> str | None:
 
 
 def check_inputs(
-    buffer: SymmBuffer, x, topk_idx, topk_weights, w1, w2, shared_w1, shared_w2, recv_stats, check_ids: bool = True,
-    fuse_wgrad_accumulation: bool = False, prepared_weights=None,
+    buffer: SymmBuffer,
+    x,
+    topk_idx,
+    topk_weights,
+    w1,
+    w2,
+    shared_w1,
+    shared_w2,
+    recv_stats,
+    check_ids: bool = True,
+    fuse_wgrad_accumulation: bool = False,
+    prepared_weights=None,
 ) -> str | None:
     """First problem with this rank's inputs, or None. check_ids reads topk_idx on the host."""
     cfg = buffer.config
@@ -91,17 +101,26 @@ def _check_prepared(prepared, cfg, num_local_experts: int, device) -> str | None
     if prepared.recipe != recipe.name:
         return f"prepared_weights: prepared for recipe {prepared.recipe!r}, the buffer runs {recipe.name!r}"
     n = prepared.w1.shape[0]
-    if n != num_local_experts or prepared.w2.shape[0] != n or prepared.w1.device != device or prepared.w2.device != device:
-        return (f"prepared_weights: {n} experts on {prepared.w1.device}, expected {num_local_experts} on {device} "
-                "(the buffer's local experts)")
+    if (
+        n != num_local_experts
+        or prepared.w2.shape[0] != n
+        or prepared.w1.device != device
+        or prepared.w2.device != device
+    ):
+        return (
+            f"prepared_weights: {n} experts on {prepared.w1.device}, expected {num_local_experts} on {device} "
+            "(the buffer's local experts)"
+        )
     H, I = cfg.hidden, cfg.intermediate
     pack = 2 if recipe.weight_format == "e2m1" else 1  # FP4 packs two values a byte
     dtype = {"native": cfg.dtype, "e4m3": torch.float8_e4m3fn}.get(recipe.weight_format, torch.uint8)
     chunk = I if recipe.weight_format == "native" else recipe.gate_up_chunk
     for name, w, shape in (("w1", prepared.w1, (n, 2 * I, H // pack)), ("w2", prepared.w2, (n, H, I // pack))):
         if tuple(w.shape) != shape or w.dtype != dtype:
-            return (f"prepared_weights: {name} is {w.dtype} {list(w.shape)}, expected {dtype} {list(shape)} "
-                    "(transform_weights of this buffer's config)")
+            return (
+                f"prepared_weights: {name} is {w.dtype} {list(w.shape)}, expected {dtype} {list(shape)} "
+                "(transform_weights of this buffer's config)"
+            )
     if prepared.chunk != chunk:
         return f"prepared_weights: gate/up chunk {prepared.chunk}, expected {chunk} for this buffer's config"
     return None

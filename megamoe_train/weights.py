@@ -98,13 +98,20 @@ class ExpertWeights:
     def quantized(self) -> bool:
         return self.w1_scales is not None
 
-    def compute_copies(self, dtype: torch.dtype, *, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_copies(
+        self, dtype: torch.dtype, *, use_kernel: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) as the forward used them, in `dtype` and master order (fc1 [gate; up]), made
         once per weight version (this object lives as long as its cache entry): what backward
         dgrad GEMMs read in recipes whose dgrad is not quantized (quantized dgrad reads w1_t, w2_t).
         fp8 on CUDA: one fused dequantize + deinterleave kernel per weight (use_kernel as in
         quantize_expert_weights; both paths give the same bits)."""
-        if not self.quantized and self.w1.dtype == dtype and self.w2.dtype == dtype and 2 * self.chunk == self.w1.shape[1]:
+        if (
+            not self.quantized
+            and self.w1.dtype == dtype
+            and self.w2.dtype == dtype
+            and 2 * self.chunk == self.w1.shape[1]
+        ):
             return self.w1, self.w2  # already master order in dtype (often the parameters themselves)
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
@@ -135,11 +142,18 @@ class WeightKernels(Protocol):
 
     def master_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]: ...
 
-    def quantize_blocks(self, w: torch.Tensor, block: tuple[int, int],
-                        chunk: int | None = None) -> tuple[torch.Tensor, ...]: ...
+    def quantize_blocks(
+        self, w: torch.Tensor, block: tuple[int, int], chunk: int | None = None
+    ) -> tuple[torch.Tensor, ...]: ...
 
-    def dequantize_blocks(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: tuple[int, int],
-                          chunk: int | None = None) -> torch.Tensor: ...
+    def dequantize_blocks(
+        self,
+        data: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        block: tuple[int, int],
+        chunk: int | None = None,
+    ) -> torch.Tensor: ...
 
 
 _load_kernels: Callable[[], WeightKernels] | None = None
@@ -196,8 +210,15 @@ def weight_state(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> t
     # no_grad add_); data_ptr catches `param.data = other`. Writes through `param.data.` do
     # not bump the version and are invisible here: call clear_weight_cache() after them.
     return (
-        w1._version, w2._version, w1.data_ptr(), w2.data_ptr(), _GENERATION,
-        config.recipe, config.dtype, config.intermediate, config.hidden,
+        w1._version,
+        w2._version,
+        w1.data_ptr(),
+        w2.data_ptr(),
+        _GENERATION,
+        config.recipe,
+        config.dtype,
+        config.intermediate,
+        config.hidden,
     )
 
 
@@ -259,8 +280,9 @@ def _transform(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig) -> Exp
 
 
 @torch.no_grad()
-def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig, *,
-                            use_kernel: bool | None = None) -> ExpertWeights:
+def quantize_expert_weights(
+    w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEConfig, *, use_kernel: bool | None = None
+) -> ExpertWeights:
     """Quantized recipes: master weights -> ExpertWeights, uncached (transform_weights caches).
 
     use_kernel (fp8 only): None runs the Triton kernel for CUDA tensors where it can and the torch
@@ -284,14 +306,25 @@ def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MegaMoEC
         dgrad_operands = {}
         if recipe.quantized_dgrad:  # the kernel writes them in the same pass anyway
             dgrad_operands = dict(w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
-        return ExpertWeights(recipe=recipe.name, w1=w1_data, w1_scales=w1_scales, w2=w2_data, w2_scales=w2_scales,
-                             chunk=chunk, **dgrad_operands)
+        return ExpertWeights(
+            recipe=recipe.name,
+            w1=w1_data,
+            w1_scales=w1_scales,
+            w2=w2_data,
+            w2_scales=w2_scales,
+            chunk=chunk,
+            **dgrad_operands,
+        )
     w1_data, w1_scales = quantize_weight(w1, recipe)
     w2_data, w2_scales = quantize_weight(w2, recipe)
     dgrad_operands = {}
     if recipe.quantized_dgrad:  # the same blocks read transposed (precision.py: square blocks)
-        dgrad_operands = dict(w1_t=w1_data.mT.contiguous(), w1_t_scales=w1_scales.mT.contiguous(),
-                              w2_t=w2_data.mT.contiguous(), w2_t_scales=w2_scales.mT.contiguous())
+        dgrad_operands = dict(
+            w1_t=w1_data.mT.contiguous(),
+            w1_t_scales=w1_scales.mT.contiguous(),
+            w2_t=w2_data.mT.contiguous(),
+            w2_t_scales=w2_scales.mT.contiguous(),
+        )
     return ExpertWeights(
         recipe=recipe.name,
         w1=interleave_gate_up(w1_data, chunk),

@@ -74,12 +74,18 @@ def save_checkpoint(run_dir: str, step: int, consumed_samples: int, model, optim
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
     dist_checkpointing.save(state, path)
-    torch.save({"step": step, "consumed_samples": consumed_samples, "rng": _rng_state(device)},
-               os.path.join(path, f"rank_{rank:05d}.pt"))
+    torch.save(
+        {"step": step, "consumed_samples": consumed_samples, "rng": _rng_state(device)},
+        os.path.join(path, f"rank_{rank:05d}.pt"),
+    )
     dist.barrier()
     if rank == 0:
         with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump({"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(), **meta}, f, indent=1)
+            json.dump(
+                {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(), **meta},
+                f,
+                indent=1,
+            )
         tmp = os.path.join(root, LATEST + ".tmp")
         with open(tmp, "w") as f:
             f.write(name + "\n")
@@ -95,7 +101,9 @@ def load_checkpoint(path: str, model, optimizer, device: str) -> dict:
     rank = dist.get_rank()
     meta = read_meta(path)
     if meta.get("world_size") != dist.get_world_size():
-        raise RuntimeError(f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}")
+        raise RuntimeError(
+            f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}"
+        )
     model_sd = model.sharded_state_dict()
     loaded = dist_checkpointing.load({"model": model_sd}, path)
     model.load_state_dict(loaded["model"], strict=False)
@@ -135,8 +143,15 @@ class RunCheckpoints:
         return bool(self.enabled and self.every and step % self.every == 0 and step != last)
 
     def save(self, step: int, consumed_samples: int) -> str:
-        path = save_checkpoint(self.run_dir, step, consumed_samples, self.model, self.optimizer, self.device,
-                               {"recipe": self.recipe.to_dict()})
+        path = save_checkpoint(
+            self.run_dir,
+            step,
+            consumed_samples,
+            self.model,
+            self.optimizer,
+            self.device,
+            {"recipe": self.recipe.to_dict()},
+        )
         self.last_saved = step
         return path
 

@@ -68,17 +68,37 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Example: megamoe-train recipes/tiny_moe_cpu.yaml --steps 20 --run-dir /tmp/run1",
     )
     p.add_argument("recipe", help="recipe YAML file (see recipes/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a recipe key, value read as YAML (repeatable), e.g. --set train.lr=3e-4")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe key, value read as YAML (repeatable), e.g. --set train.lr=3e-4",
+    )
     p.add_argument("--steps", type=int, help="same as --set train.steps=N")
-    p.add_argument("--stop-at", type=int, metavar="STEP",
-                   help="same as --set train.stop_at=STEP: end this invocation after STEP (checkpointed); the LR schedule still runs to train.steps")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        metavar="STEP",
+        help="same as --set train.stop_at=STEP: end this invocation after STEP (checkpointed); the LR schedule still runs to train.steps",
+    )
     p.add_argument("--run-dir", help="same as --set run.dir=DIR")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", dest="resume", action="store_const", const=True,
-                   help="continue from the run dir's latest checkpoint (error if there is none)")
-    g.add_argument("--no-resume", dest="resume", action="store_const", const=False,
-                   help="start from scratch even if the run dir has a checkpoint")
+    g.add_argument(
+        "--resume",
+        dest="resume",
+        action="store_const",
+        const=True,
+        help="continue from the run dir's latest checkpoint (error if there is none)",
+    )
+    g.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_const",
+        const=False,
+        help="start from scratch even if the run dir has a checkpoint",
+    )
     p.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
     return p
 
@@ -154,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.stop_at is not None:
         overrides.append(f"train.stop_at={args.stop_at}")
-    if args.run_dir is not None:  # a path, taken as written (quoted: YAML would read 123, yes, "a #b", "a: b" otherwise)
+    if (
+        args.run_dir is not None
+    ):  # a path, taken as written (quoted: YAML would read 123, yes, "a #b", "a: b" otherwise)
         overrides.append(f"run.dir={json.dumps(args.run_dir)}")
     try:
         recipe = load_recipe(args.recipe, overrides)
@@ -174,15 +196,21 @@ def main(argv: list[str] | None = None) -> int:
         if resume:
             saved_world = read_meta(latest).get("world_size")
             if saved_world != recipe.parallel.world_size:
-                raise RecipeError("parallel.world_size", f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "
-                                  f"{saved_world} ranks (use another run.dir, or --no-resume)")
+                raise RecipeError(
+                    "parallel.world_size",
+                    f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "
+                    f"{saved_world} ranks (use another run.dir, or --no-resume)",
+                )
     except RecipeError as e:
         return _fail(str(e), EXIT_BAD_RECIPE)
     os.makedirs(run_dir, exist_ok=True)
     if not resume and latest is not None:  # starting over: a crash before the first save must not resume the old run
         os.remove(os.path.join(checkpoint_root(run_dir), LATEST))
-        print(f"[megamoe-train] starting over in {run_dir}: checkpoints/latest no longer names the earlier run's "
-              f"{os.path.basename(latest)} (its files stay until overwritten)", flush=True)
+        print(
+            f"[megamoe-train] starting over in {run_dir}: checkpoints/latest no longer names the earlier run's "
+            f"{os.path.basename(latest)} (its files stay until overwritten)",
+            flush=True,
+        )
     with open(os.path.join(run_dir, "recipe.yaml"), "w") as f:
         yaml.safe_dump(recipe.to_dict(), f, sort_keys=False)
     return _launch(recipe, device, run_dir, resume)

@@ -103,7 +103,9 @@ class _Tokenizer:
 class IndexedCorpus:
     """A Megatron indexed dataset through megatron-core's GPTDataset (100% train split)."""
 
-    def __init__(self, path: str, vocab_size: int, seq_length: int, seed: int, num_samples: int, cache_dir: str, eod: int = 0):
+    def __init__(
+        self, path: str, vocab_size: int, seq_length: int, seed: int, num_samples: int, cache_dir: str, eod: int = 0
+    ):
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -126,7 +128,10 @@ class IndexedCorpus:
 
     def batch(self, indices) -> dict:
         samples = [self.dataset[int(i) % len(self.dataset)] for i in indices]
-        out = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        out = {
+            k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+            for k in ("tokens", "labels", "loss_mask", "position_ids")
+        }
         top = max(int(out["tokens"].max()), int(out["labels"].max()))  # labels hold one token past the inputs
         if top >= self.vocab_size:
             raise ValueError(f"data.path: token id {top} is not below model.vocab_size={self.vocab_size}")
@@ -140,12 +145,19 @@ def build_corpus(recipe, run_dir: str):
     if recipe.data.path is None:
         return SyntheticCorpus(m.vocab_size, m.seq_length, seed, recipe.data.eod_token)
     return IndexedCorpus(
-        recipe.data.path, m.vocab_size, m.seq_length, seed, num_samples=recipe.train.steps * recipe.global_batch_size,
-        cache_dir=os.path.join(run_dir, "data_cache"), eod=recipe.data.eod_token,
+        recipe.data.path,
+        m.vocab_size,
+        m.seq_length,
+        seed,
+        num_samples=recipe.train.steps * recipe.global_batch_size,
+        cache_dir=os.path.join(run_dir, "data_cache"),
+        eod=recipe.data.eod_token,
     )
 
 
-def write_synthetic_indexed(prefix: str, num_documents: int = 20000, vocab_size: int = 256, seed: int = 1234, eod: int = 0) -> str:
+def write_synthetic_indexed(
+    prefix: str, num_documents: int = 20000, vocab_size: int = 256, seed: int = 1234, eod: int = 0
+) -> str:
     """Writes PREFIX.bin / PREFIX.idx with synthetic documents; returns the prefix."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -163,8 +175,10 @@ def main(argv=None):
     """python -m megamoe_trainer.data PREFIX [--documents N] [--vocab-size V] [--seed S]"""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m megamoe_trainer.data",
-                                description="Write the synthetic corpus as a Megatron indexed dataset (PREFIX.bin / PREFIX.idx).")
+    p = argparse.ArgumentParser(
+        prog="python -m megamoe_trainer.data",
+        description="Write the synthetic corpus as a Megatron indexed dataset (PREFIX.bin / PREFIX.idx).",
+    )
     p.add_argument("prefix")
     p.add_argument("--documents", type=int, default=20000)
     p.add_argument("--vocab-size", type=int, default=256)
@@ -172,7 +186,9 @@ def main(argv=None):
     p.add_argument("--eod-token", type=int, default=0)
     args = p.parse_args(argv)
     prefix = write_synthetic_indexed(args.prefix, args.documents, args.vocab_size, args.seed, args.eod_token)
-    print(f"wrote {prefix}.bin and {prefix}.idx ({args.documents} documents); train on it with --set data.path={prefix}")
+    print(
+        f"wrote {prefix}.bin and {prefix}.idx ({args.documents} documents); train on it with --set data.path={prefix}"
+    )
 
 
 if __name__ == "__main__":

@@ -83,8 +83,12 @@ def build_model(recipe, device: str):
     perf.install(recipe.perf, device)  # before the layers are built: they look for the wgrad extension
     m = recipe.model
     gpt = GPTModel(
-        cfg, spec, vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-        position_embedding_type=m.position_embedding, rotary_base=m.rotary_base,
+        cfg,
+        spec,
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.seq_length,
+        position_embedding_type=m.position_embedding,
+        rotary_base=m.rotary_base,
         share_embeddings_and_output_weights=False,
     )
     if device == "cuda":
@@ -100,7 +104,9 @@ def build_model(recipe, device: str):
     model = Float16Module(cfg, gpt) if cfg.bf16 else gpt
     t = recipe.train
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce, use_distributed_optimizer=t.use_distributed_optimizer,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        use_distributed_optimizer=t.use_distributed_optimizer,
     )
     # The 1/DP of the data-parallel mean is in the loss the trainer differentiates (train.py), so
     # DDP must sum the gradients without scaling them first. DDP reads that from
@@ -115,8 +121,15 @@ def build_model(recipe, device: str):
         overwrite_expert_main_grads(model)
     cfg.finalize_model_grads_func = finalize_model_grads
     opt_cfg = OptimizerConfig(
-        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=cfg.bf16, fp16=False,
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        clip_grad=t.clip_grad,
+        bf16=cfg.bf16,
+        fp16=False,
         use_distributed_optimizer=t.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [model])
@@ -141,5 +154,3 @@ def count_params(model) -> tuple[int, int]:
         if not getattr(p, "allreduce", True) or ".mlp.experts." in name:
             expert += p.numel()
     return total, expert
-
-

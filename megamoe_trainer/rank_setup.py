@@ -100,15 +100,17 @@ def describe(run: RankRun, built_s: float) -> str:
         from megatron_patch import cuda_graphs_enabled, megamoe_config
 
         graphs = cuda_graphs_enabled(model.config, megamoe_config(model.config, dtype=model.config.params_dtype), dev)
-    return (f"[megamoe-train] {run.world} ranks on {run.device} | EP {p.expert_parallel}, TP {p.tensor_parallel}, "
-            f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
-            f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
-            f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
-            f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}"
-            f"{', CUDA graphs' if graphs else ''}) | "
-            f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
-            f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
-            f"attention {recipe.perf.attention} | "
-            f"{perf.describe(run.optimizer, recipe.train.adam_moments_dtype)}"
-            f"{'expert main_grads written over, not zeroed | ' if overwrites_expert_main_grads(model) else ''}"
-            f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s")
+    return (
+        f"[megamoe-train] {run.world} ranks on {run.device} | EP {p.expert_parallel}, TP {p.tensor_parallel}, "
+        f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
+        f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
+        f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
+        f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}"
+        f"{', CUDA graphs' if graphs else ''}) | "
+        f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
+        f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
+        f"attention {recipe.perf.attention} | "
+        f"{perf.describe(run.optimizer, recipe.train.adam_moments_dtype)}"
+        f"{'expert main_grads written over, not zeroed | ' if overwrites_expert_main_grads(model) else ''}"
+        f"data: {recipe.data.path or 'synthetic'} | built in {built_s:.1f} s"
+    )

@@ -17,13 +17,26 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import yaml
+
 from megamoe_train.precision import RECIPES as _RECIPES
 
 from .flops import H200_BF16_PEAK_TFLOPS
 from .schema import RecipeError, from_mapping
 
-__all__ = ["MEGAMOE_RECIPES", "MOVED_KEYS", "Recipe", "RecipeError", "apply_overrides", "check_environment",
-           "load_recipe", "parse_override", "read_recipe_file", "runs_on_cuda", "validate", "validate_with_megatron"]
+__all__ = [
+    "MEGAMOE_RECIPES",
+    "MOVED_KEYS",
+    "Recipe",
+    "RecipeError",
+    "apply_overrides",
+    "check_environment",
+    "load_recipe",
+    "parse_override",
+    "read_recipe_file",
+    "runs_on_cuda",
+    "validate",
+    "validate_with_megatron",
+]
 
 MEGAMOE_RECIPES = tuple(_RECIPES)
 
@@ -66,8 +79,12 @@ class RunSection(_Section):
     save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
     checkpoint: bool = True  # false: never write checkpoints (benchmarks, smoke runs)
     resume: Union[bool, Literal["auto"]] = "auto"  # auto: continue if the run dir has a checkpoint
-    peak_tflops: float = H200_BF16_PEAK_TFLOPS  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
-    profile_at: Optional[int] = None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
+    peak_tflops: float = (
+        H200_BF16_PEAK_TFLOPS  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
+    )
+    profile_at: Optional[int] = (
+        None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
+    )
     profile_steps: int = 3
 
     def check(self, recipe: Recipe) -> None:
@@ -99,25 +116,47 @@ class ParallelSection(_Section):
     def check(self, recipe: Recipe) -> None:
         m, moe = recipe.model, recipe.moe
         if self.world_size % self.tensor_parallel:
-            self._fail("tensor_parallel", f"{self.tensor_parallel} does not divide parallel.world_size={self.world_size}")
+            self._fail(
+                "tensor_parallel", f"{self.tensor_parallel} does not divide parallel.world_size={self.world_size}"
+            )
         if self.world_size % self.expert_parallel:
-            self._fail("expert_parallel", f"{self.expert_parallel} does not divide parallel.world_size={self.world_size}")
+            self._fail(
+                "expert_parallel", f"{self.expert_parallel} does not divide parallel.world_size={self.world_size}"
+            )
         if moe.num_experts % self.expert_parallel:
             self._fail("expert_parallel", f"{self.expert_parallel} does not divide moe.num_experts={moe.num_experts}")
         if m.num_attention_heads % self.tensor_parallel:
-            self._fail("tensor_parallel", f"{self.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}")
+            self._fail(
+                "tensor_parallel",
+                f"{self.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}",
+            )
         if self.tensor_parallel > 1 and moe.megamoe_recipe is not None:
             self._fail("tensor_parallel", "MegaMoE layers support tensor_parallel 1 only (use expert_parallel)")
-        if self.tensor_parallel > 1:  # the stock MoELayer's forward raises in training under TP without sequence parallelism
-            self._fail("tensor_parallel", "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
-                       "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)")
+        if (
+            self.tensor_parallel > 1
+        ):  # the stock MoELayer's forward raises in training under TP without sequence parallelism
+            self._fail(
+                "tensor_parallel",
+                "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
+                "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)",
+            )
 
 
 @dataclass
 class ModelSection(_Section):
     prefix = "model"
-    _positive_keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                      "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base", "init_std")
+    _positive_keys = (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "ffn_hidden_size",
+        "vocab_size",
+        "seq_length",
+        "rotary_base",
+        "init_std",
+    )
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -137,14 +176,21 @@ class ModelSection(_Section):
     def check(self, recipe: Recipe) -> None:
         tp = recipe.parallel.tensor_parallel
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            self._fail("num_attention_heads", f"{self.num_attention_heads} does not divide model.hidden_size={self.hidden_size} "
-                       "(or set model.kv_channels)")
+            self._fail(
+                "num_attention_heads",
+                f"{self.num_attention_heads} does not divide model.hidden_size={self.hidden_size} "
+                "(or set model.kv_channels)",
+            )
         if self.num_query_groups is not None:
             if self.num_attention_heads % self.num_query_groups:
-                self._fail("num_query_groups", f"{self.num_query_groups} does not divide "
-                           f"model.num_attention_heads={self.num_attention_heads}")
+                self._fail(
+                    "num_query_groups",
+                    f"{self.num_query_groups} does not divide model.num_attention_heads={self.num_attention_heads}",
+                )
             if self.num_query_groups % tp:
-                raise RecipeError("parallel.tensor_parallel", f"{tp} does not divide model.num_query_groups={self.num_query_groups}")
+                raise RecipeError(
+                    "parallel.tensor_parallel", f"{tp} does not divide model.num_query_groups={self.num_query_groups}"
+                )
         if self.position_embedding == "rope":
             head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
             if head_dim % 2:
@@ -154,7 +200,9 @@ class ModelSection(_Section):
         freq = self.moe_layer_freq
         if isinstance(freq, list):
             if len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
-                self._fail("moe_layer_freq", f"a list must hold {self.num_layers} entries of 0/1 (one per layer), got {freq}")
+                self._fail(
+                    "moe_layer_freq", f"a list must hold {self.num_layers} entries of 0/1 (one per layer), got {freq}"
+                )
             if not any(freq):
                 self._fail("moe_layer_freq", "no MoE layer")
         elif freq <= 0 or freq > self.num_layers:
@@ -164,8 +212,15 @@ class ModelSection(_Section):
 @dataclass
 class MoESection(_Section):
     prefix = "moe"
-    _positive_keys = ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "max_tokens_per_rank",
-                      "router_num_groups", "router_group_topk")
+    _positive_keys = (
+        "num_experts",
+        "topk",
+        "ffn_hidden_size",
+        "shared_expert_ffn_hidden_size",
+        "max_tokens_per_rank",
+        "router_num_groups",
+        "router_group_topk",
+    )
     _non_negative_keys = ("aux_loss_coeff",)
     num_experts: int = 8
     topk: int = 2
@@ -205,24 +260,38 @@ class MoESection(_Section):
             self._fail("router_group_topk", "set both moe.router_num_groups and moe.router_group_topk, or neither")
         if self.router_num_groups is not None:
             if self.num_experts % self.router_num_groups:
-                self._fail("router_num_groups", f"{self.router_num_groups} does not divide moe.num_experts={self.num_experts}")
+                self._fail(
+                    "router_num_groups", f"{self.router_num_groups} does not divide moe.num_experts={self.num_experts}"
+                )
             if self.router_group_topk > self.router_num_groups:
-                self._fail("router_group_topk", f"{self.router_group_topk} exceeds moe.router_num_groups={self.router_num_groups}")
+                self._fail(
+                    "router_group_topk",
+                    f"{self.router_group_topk} exceeds moe.router_num_groups={self.router_num_groups}",
+                )
             if self.topk > self.router_group_topk * (self.num_experts // self.router_num_groups):
                 self._fail("topk", f"{self.topk} exceeds the experts of the selected groups")
         if self.router_expert_bias and self.router_score_function != "sigmoid":
-            self._fail("router_expert_bias", "needs moe.router_score_function: sigmoid (Megatron ignores the bias with softmax)")
+            self._fail(
+                "router_expert_bias",
+                "needs moe.router_score_function: sigmoid (Megatron ignores the bias with softmax)",
+            )
         if self.router_pre_softmax and self.router_score_function != "softmax":
             self._fail("router_pre_softmax", "only applies to moe.router_score_function: softmax")
         if self.megamoe_recipe is None:
             return
         if self.megamoe_recipe not in MEGAMOE_RECIPES:
-            self._fail("megamoe_recipe", f"unknown recipe {self.megamoe_recipe!r}; choose one of {', '.join(MEGAMOE_RECIPES)} "
-                       "or null (stock Megatron MoE)")
+            self._fail(
+                "megamoe_recipe",
+                f"unknown recipe {self.megamoe_recipe!r}; choose one of {', '.join(MEGAMOE_RECIPES)} "
+                "or null (stock Megatron MoE)",
+            )
         routed = t.micro_batch_size * m.seq_length
         if recipe.max_tokens_per_rank < routed:
-            self._fail("max_tokens_per_rank", f"{self.max_tokens_per_rank} is below the tokens one rank routes per step "
-                       f"(train.micro_batch_size * model.seq_length = {routed})")
+            self._fail(
+                "max_tokens_per_rank",
+                f"{self.max_tokens_per_rank} is below the tokens one rank routes per step "
+                f"(train.micro_batch_size * model.seq_length = {routed})",
+            )
         if self.megamoe_cuda_graph and recipe.parallel.device != "cuda":
             self._fail("megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
         _check_megamoe_shapes(recipe)
@@ -253,7 +322,9 @@ class TrainSection(_Section):
     # fp32 matmuls on TF32 tensor cores (CUDA): in a bf16 model only the router's (moe_router_dtype
     # fp32), whose operands are bf16 values, exact in TF32; fp32 accumulation either way
     tf32_matmul: bool = True
-    overlap_grad_reduce: bool = False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
+    overlap_grad_reduce: bool = (
+        False  # DDP all-reduces gradient buckets during the backward (Megatron's overlap_grad_reduce)
+    )
 
     @property
     def last_step(self) -> int:
@@ -268,17 +339,25 @@ class TrainSection(_Section):
             if not 0 <= getattr(self, name) < 1:
                 self._fail(name, f"must be in [0, 1), got {getattr(self, name)}")
         if self.adam_moments_dtype == "bf16":
-            needs = {"parallel.device": (p.device == "cuda", "cuda"), "model.dtype": (m.dtype == "bf16", "bf16"),
-                     "perf.fused_optimizer": (perf.fused_optimizer, "true"),
-                     "perf.adam_writes_model_params": (perf.adam_writes_model_params, "true"),
-                     "train.use_distributed_optimizer": (not self.use_distributed_optimizer, "false")}
+            needs = {
+                "parallel.device": (p.device == "cuda", "cuda"),
+                "model.dtype": (m.dtype == "bf16", "bf16"),
+                "perf.fused_optimizer": (perf.fused_optimizer, "true"),
+                "perf.adam_writes_model_params": (perf.adam_writes_model_params, "true"),
+                "train.use_distributed_optimizer": (not self.use_distributed_optimizer, "false"),
+            }
             for dotted, (ok, want) in needs.items():
                 if not ok:
-                    self._fail("adam_moments_dtype", f"bf16 moments are kept by the AdamW kernel, which needs {dotted}: {want}")
+                    self._fail(
+                        "adam_moments_dtype", f"bf16 moments are kept by the AdamW kernel, which needs {dotted}: {want}"
+                    )
             if self.adam_beta2 > 0.99:
-                self._fail("adam_moments_dtype", f"bf16 exp_avg_sq with adam_beta2={self.adam_beta2}: its per-step decay "
-                           f"{1 - self.adam_beta2:.2g} is too small for bf16's rounding step, it would stall; keep fp32 "
-                           "moments or use adam_beta2 <= 0.99")
+                self._fail(
+                    "adam_moments_dtype",
+                    f"bf16 exp_avg_sq with adam_beta2={self.adam_beta2}: its per-step decay "
+                    f"{1 - self.adam_beta2:.2g} is too small for bf16's rounding step, it would stall; keep fp32 "
+                    "moments or use adam_beta2 <= 0.99",
+                )
 
 
 @dataclass
@@ -292,7 +371,9 @@ class PerfSection(_Section):
     # with fused_optimizer, on CUDA: the AdamW kernel also writes the bf16 model params, so megatron's
     # separate main -> model params copy is skipped (perf/adam_kernel.py)
     adam_writes_model_params: bool = True
-    attention: Literal["sdpa", "megatron"] = "sdpa"  # core attention: torch SDPA (fused) or Megatron's local DotProductAttention
+    attention: Literal["sdpa", "megatron"] = (
+        "sdpa"  # core attention: torch SDPA (fused) or Megatron's local DotProductAttention
+    )
     # CUDA only (torch.compile'd; compiled on the first step): megatron's RoPE and its native fused
     # vocab-parallel cross entropy, where its fused kernels would need Transformer Engine
     fused_rope: bool = True
@@ -328,7 +409,10 @@ class DataSection(_Section):
         if self.path is not None:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(self.path + ext):
-                    self._fail("path", f"{self.path + ext} not found (data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)")
+                    self._fail(
+                        "path",
+                        f"{self.path + ext} not found (data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)",
+                    )
 
 
 @dataclass
@@ -469,8 +553,12 @@ def read_recipe_file(path: str | os.PathLike | None) -> Any:
         raise RecipeError("recipe", f"{path} is not valid YAML: {e}") from None
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None, data: dict | None = None,
-                deep: bool = True) -> Recipe:
+def load_recipe(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    data: dict | None = None,
+    deep: bool = True,
+) -> Recipe:
     """Read a recipe file (or a dict), apply `section.key=value` overrides, validate it
     (deep: also build the Megatron TransformerConfig, which runs Megatron's and the MegaMoE
     adapter's own checks)."""
@@ -518,25 +606,43 @@ def _check_megamoe_shapes(recipe: Recipe):
         megamoe_config(transformer_config(recipe), num_max_tokens_per_rank=recipe.max_tokens_per_rank)
     except MegaMoEConfigError as e:  # "<Megatron setting>: why"; Megatron's own errors: validate_with_megatron
         setting = str(e).split(":", 1)[0]
-        raise RecipeError(_MEGATRON_KEYS.get(setting, "moe.megamoe_recipe"), f"MegaMoE recipe {recipe.moe.megamoe_recipe!r}: {e}") from None
+        raise RecipeError(
+            _MEGATRON_KEYS.get(setting, "moe.megamoe_recipe"), f"MegaMoE recipe {recipe.moe.megamoe_recipe!r}: {e}"
+        ) from None
     except (ValueError, AssertionError, TypeError):
         return
 
 
 # TransformerConfig field -> recipe key (for naming the key in Megatron's own error messages)
 _MEGATRON_KEYS = {
-    "num_layers": "model.num_layers", "hidden_size": "model.hidden_size", "num_attention_heads": "model.num_attention_heads",
-    "num_query_groups": "model.num_query_groups", "kv_channels": "model.kv_channels", "qk_layernorm": "model.qk_layernorm",
-    "ffn_hidden_size": "model.ffn_hidden_size", "moe_layer_freq": "model.moe_layer_freq", "normalization": "model.normalization",
-    "tensor_model_parallel_size": "parallel.tensor_parallel", "expert_model_parallel_size": "parallel.expert_parallel",
-    "num_moe_experts": "moe.num_experts", "moe_router_topk": "moe.topk", "moe_ffn_hidden_size": "moe.ffn_hidden_size",
+    "num_layers": "model.num_layers",
+    "hidden_size": "model.hidden_size",
+    "num_attention_heads": "model.num_attention_heads",
+    "num_query_groups": "model.num_query_groups",
+    "kv_channels": "model.kv_channels",
+    "qk_layernorm": "model.qk_layernorm",
+    "ffn_hidden_size": "model.ffn_hidden_size",
+    "moe_layer_freq": "model.moe_layer_freq",
+    "normalization": "model.normalization",
+    "tensor_model_parallel_size": "parallel.tensor_parallel",
+    "expert_model_parallel_size": "parallel.expert_parallel",
+    "num_moe_experts": "moe.num_experts",
+    "moe_router_topk": "moe.topk",
+    "moe_ffn_hidden_size": "moe.ffn_hidden_size",
     "moe_shared_expert_intermediate_size": "moe.shared_expert_ffn_hidden_size",
-    "moe_router_score_function": "moe.router_score_function", "moe_router_pre_softmax": "moe.router_pre_softmax",
-    "moe_router_topk_scaling_factor": "moe.router_topk_scaling_factor", "moe_router_num_groups": "moe.router_num_groups",
-    "moe_router_group_topk": "moe.router_group_topk", "moe_router_enable_expert_bias": "moe.router_expert_bias",
-    "moe_router_bias_update_rate": "moe.router_bias_update_rate", "moe_router_load_balancing_type": "moe.load_balancing",
-    "moe_aux_loss_coeff": "moe.aux_loss_coeff", "moe_z_loss_coeff": "moe.z_loss_coeff", "moe_megamoe_recipe": "moe.megamoe_recipe",
-    "moe_megamoe_backend": "moe.megamoe_backend", "moe_megamoe_max_tokens_per_rank": "moe.max_tokens_per_rank",
+    "moe_router_score_function": "moe.router_score_function",
+    "moe_router_pre_softmax": "moe.router_pre_softmax",
+    "moe_router_topk_scaling_factor": "moe.router_topk_scaling_factor",
+    "moe_router_num_groups": "moe.router_num_groups",
+    "moe_router_group_topk": "moe.router_group_topk",
+    "moe_router_enable_expert_bias": "moe.router_expert_bias",
+    "moe_router_bias_update_rate": "moe.router_bias_update_rate",
+    "moe_router_load_balancing_type": "moe.load_balancing",
+    "moe_aux_loss_coeff": "moe.aux_loss_coeff",
+    "moe_z_loss_coeff": "moe.z_loss_coeff",
+    "moe_megamoe_recipe": "moe.megamoe_recipe",
+    "moe_megamoe_backend": "moe.megamoe_backend",
+    "moe_megamoe_max_tokens_per_rank": "moe.max_tokens_per_rank",
 }
 
 
@@ -574,5 +680,8 @@ def check_environment(recipe: Recipe) -> str:
     if device == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < p.world_size:
-            raise RecipeError("parallel.world_size", f"{p.world_size} ranks need {p.world_size} GPUs (one per rank), this machine has {n}")
+            raise RecipeError(
+                "parallel.world_size",
+                f"{p.world_size} ranks need {p.world_size} GPUs (one per rank), this machine has {n}",
+            )
     return device

@@ -54,11 +54,24 @@ class ProgressReport:
         self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), resume_step)
         self.plot_path = os.path.join(run_dir, "progress.png")
         moe = recipe.moe
-        self.title = f"{os.path.basename(run_dir)}: {moe.num_experts} experts top-{moe.topk}, MegaMoE {moe.megamoe_recipe}"
+        self.title = (
+            f"{os.path.basename(run_dir)}: {moe.num_experts} experts top-{moe.topk}, MegaMoE {moe.megamoe_recipe}"
+        )
         self.window: list[float] = []  # losses since the last progress line
 
-    def step(self, step: int, lr: float, loss_sum: float, ok_count: float, grad_norm: float, step_time: float,
-             consumed: int, load=None, peer_wait=None, gc_paused=None):
+    def step(
+        self,
+        step: int,
+        lr: float,
+        loss_sum: float,
+        ok_count: float,
+        grad_norm: float,
+        step_time: float,
+        consumed: int,
+        load=None,
+        peer_wait=None,
+        gc_paused=None,
+    ):
         """loss_sum / ok_count: summed over data-parallel ranks; load: [MoE layers, experts] rows or None;
         peer_wait: [EP ranks, barrier sites] ns each rank's MegaMoE barriers waited for their peers this
         step (sites: megamoe_train.protocol.WAIT_SITES), or None;
@@ -87,7 +100,9 @@ class ProgressReport:
             if ep > 1:  # EP rank r holds experts [r E/EP, (r+1) E/EP); every layer's barriers wait for its busiest rank
                 per_rank = load.double().reshape(load.shape[0], ep, -1).sum(-1)  # [layers, EP]
                 record["ep_rank_load"] = per_rank.sum(0).tolist()
-                record["ep_rank_imbalance"] = (per_rank.max(1).values.sum() / per_rank.mean(1).sum().clamp(min=1e-9)).item()
+                record["ep_rank_imbalance"] = (
+                    per_rank.max(1).values.sum() / per_rank.mean(1).sum().clamp(min=1e-9)
+                ).item()
         if peer_wait is not None:
             by_site = peer_wait.double() / 1e6  # [EP, sites]
             waits = record["peer_wait_ms"] = by_site.sum(1).tolist()
@@ -114,7 +129,11 @@ class ProgressReport:
             if max(gc_ms) >= 0.05:  # a collection ran on some rank's host this step
                 slowest = _argmax(gc_ms)
                 pacing += f" | host GC {gc_ms[slowest]:.1f} ms on EP rank {slowest}"
-            avg = f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})" if len(self.window) > 1 else ""
+            avg = (
+                f" (mean of {len(self.window)}: {sum(self.window) / len(self.window):.4f})"
+                if len(self.window) > 1
+                else ""
+            )
             self.window.clear()
             print(
                 f"step {step:5d}/{recipe.train.steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | "
@@ -144,13 +163,19 @@ class ProgressReport:
         ran = [r for r in records if r["step"] > start_step]
         warm = min(5, len(ran) // 4)
         steady = statistics.median(r["tokens_per_s"] for r in ran[warm:])
-        print(f"[megamoe-train] {'done' if last == recipe.train.steps else 'stopped (train.stop_at)'}: "
-              f"steps {start_step + 1}..{last} in {wall:.1f} s "
-              f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
-              f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
-              f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {self.metrics.path} | plot {self.plot_path}", flush=True)
+        print(
+            f"[megamoe-train] {'done' if last == recipe.train.steps else 'stopped (train.stop_at)'}: "
+            f"steps {start_step + 1}..{last} in {wall:.1f} s "
+            f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
+            f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+            f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {self.metrics.path} | plot {self.plot_path}",
+            flush=True,
+        )
         if summary["peak_memory_gib"]:
-            print(f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}", flush=True)
+            print(
+                f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}",
+                flush=True,
+            )
 
 
 def write_summary(device: str, tokens: int, seconds: float, profiler, run_dir: str) -> dict:
@@ -159,8 +184,10 @@ def write_summary(device: str, tokens: int, seconds: float, profiler, run_dir: s
     import torch
     import torch.distributed as dist
 
-    local = {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-             "profile": profiler.summary if profiler is not None else None}
+    local = {
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "profile": profiler.summary if profiler is not None else None,
+    }
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     summary = {
@@ -203,7 +230,7 @@ def plot_progress(records: list[dict], path: str, title: str = ""):
     if len(loss) >= 10:  # trailing mean over ~5% of the run
         w = max(5, len(loss) // 20)
         smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
-        ax.plot(steps[w - 1:], smooth, color="tab:blue", lw=1.6, label=f"mean of {w}")
+        ax.plot(steps[w - 1 :], smooth, color="tab:blue", lw=1.6, label=f"mean of {w}")
     ax.legend(loc="upper right")
     ax.set_ylabel("loss (nats/token)")
     ax.set_xlabel("step")
@@ -225,8 +252,14 @@ def plot_progress(records: list[dict], path: str, title: str = ""):
         mat = np.array([np.asarray(l, dtype=float).sum(0) for l in loads])  # [steps, E]
         mean = mat.mean(1, keepdims=True)
         share = np.divide(mat, mean, out=np.zeros_like(mat), where=mean > 0)
-        im = ax.imshow(share.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, mat.shape[1] - 0.5))
+        im = ax.imshow(
+            share.T,
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            interpolation="nearest",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, mat.shape[1] - 0.5),
+        )
         fig.colorbar(im, ax=ax, label="rows / mean rows")
         ax.set_ylabel("expert (global id)")
         ax.set_xlabel("step")

@@ -112,6 +112,11 @@ class Stepper:
         # with torch.tensor would synchronize)
         if not isinstance(grad_norm, torch.Tensor):
             grad_norm = torch.full((), float("nan") if grad_norm is None else float(grad_norm), device=loss.device)
-        values = torch.stack([loss.detach().float(), torch.full((), float(ok), device=loss.device),
-                              grad_norm.detach().float().reshape(())])
+        values = torch.stack(
+            [
+                loss.detach().float(),
+                torch.full((), float(ok), device=loss.device),
+                grad_norm.detach().float().reshape(()),
+            ]
+        )
         return values, next_batch

@@ -12,8 +12,15 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["StockRouterLoad", "gather_expert_load", "all_gather_ep", "gather_host_waits", "PendingStep", "StepClock",
-           "StepStats"]
+__all__ = [
+    "StockRouterLoad",
+    "gather_expert_load",
+    "all_gather_ep",
+    "gather_host_waits",
+    "PendingStep",
+    "StepClock",
+    "StepStats",
+]
 
 
 class StockRouterLoad:
@@ -96,8 +103,19 @@ class PendingStep:
     waits for the GPU inside the loop. Step time = GPU time between the ends of consecutive steps
     (CUDA events), which counts idle gaps too; on CPU, host wall time."""
 
-    def __init__(self, step: int, lr: float, consumed: int, values: torch.Tensor, load: torch.Tensor | None,
-                 peer_wait: torch.Tensor | None, gc_paused: torch.Tensor, start_event, prev_end, host_start: float):
+    def __init__(
+        self,
+        step: int,
+        lr: float,
+        consumed: int,
+        values: torch.Tensor,
+        load: torch.Tensor | None,
+        peer_wait: torch.Tensor | None,
+        gc_paused: torch.Tensor,
+        start_event,
+        prev_end,
+        host_start: float,
+    ):
         self.step, self.lr, self.consumed = step, lr, consumed
         self.start_event, self.prev_end = start_event, prev_end
         cuda = values.is_cuda
@@ -158,10 +176,14 @@ class StepStats:
         dist.all_reduce(values[:2], group=self.dp_group)  # loss sum and success count over data-parallel ranks
         load = gather_expert_load(run.model, run.dev, self.stock_load)
         self.host_gc.after_step(step)
-        peer_wait, gc_paused, self.wait_snapshot = gather_host_waits(run.model, self.wait_snapshot,
-                                                                     self.host_gc.take_paused_ns(), run.dev)
-        self.pending.append(PendingStep(step, lr, consumed, values, load, peer_wait, gc_paused, clock.event, self.prev_end,
-                                        clock.host_start))
+        peer_wait, gc_paused, self.wait_snapshot = gather_host_waits(
+            run.model, self.wait_snapshot, self.host_gc.take_paused_ns(), run.dev
+        )
+        self.pending.append(
+            PendingStep(
+                step, lr, consumed, values, load, peer_wait, gc_paused, clock.event, self.prev_end, clock.host_start
+            )
+        )
         self.prev_end = self.pending[-1].end_event
 
     def report(self, keep: int = 0):
@@ -172,7 +194,9 @@ class StepStats:
             self.tokens += self.tokens_per_step
             self.seconds += step_time
             if self.progress is not None:
-                self.progress.step(p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load, p.peer_wait, p.gc_paused)
+                self.progress.step(
+                    p.step, p.lr, *p.values.tolist(), step_time, p.consumed, p.load, p.peer_wait, p.gc_paused
+                )
 
     def restart_clock(self):
         """The time since the last step (a checkpoint's) is no step's."""

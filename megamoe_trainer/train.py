@@ -43,10 +43,14 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
     set_recipe_hyperparams(run.optimizer, recipe)
     last = recipe.train.last_step  # this invocation's final step
     if start_step >= last:
-        run.say(f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} "
-                f"(train.steps={recipe.train.steps}, train.stop_at={recipe.train.stop_at})")
+        run.say(
+            f"[megamoe-train] nothing to do: the checkpoint is at step {start_step} "
+            f"(train.steps={recipe.train.steps}, train.stop_at={recipe.train.stop_at})"
+        )
 
-    report = ProgressReport(recipe, run_dir, start_step if resumed else None, start_step + 1, last) if run.is_main else None
+    report = (
+        ProgressReport(recipe, run_dir, start_step if resumed else None, start_step + 1, last) if run.is_main else None
+    )
     profiler = StepProfiler(recipe, run_dir, run.model, rank) if recipe.run.profile_at else None
     host_gc = perf.host_gc(recipe.perf)  # after the model and corpus exist
     stats = StepStats(run, host_gc, report)

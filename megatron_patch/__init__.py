@@ -22,9 +22,9 @@ from .config import (
     megamoe_config,
     validate_megamoe,
 )
+from .experts import MegaMoEExperts, invalidate_expert_weight_caches
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
-from .experts import MegaMoEExperts, invalidate_expert_weight_caches
 from .spec import (
     get_megamoe_gpt_decoder_block_spec,
     get_megamoe_gpt_layer_spec,

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megamoe_train import MegaMoEConfig
-from megamoe_train.backends import NAMES as _BACKEND_NAMES, gpu_executor_supports
+from megamoe_train.backends import NAMES as _BACKEND_NAMES
+from megamoe_train.backends import gpu_executor_supports
 from megamoe_train.precision import RECIPES as _RECIPES
 
 RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4"
@@ -117,7 +118,9 @@ def validate_megamoe(config) -> None:
     if (config.tensor_model_parallel_size or 1) > 1:
         bad("tensor_model_parallel_size", f"must be 1 for MoE layers, got {config.tensor_model_parallel_size}")
     if (config.expert_tensor_parallel_size or 1) > 1:
-        bad("expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split")
+        bad(
+            "expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split"
+        )
     if config.sequence_parallel:
         bad("sequence_parallel", "not supported (needs tensor_model_parallel_size > 1, which is not supported)")
     # token dropping / capacity
@@ -125,7 +128,10 @@ def validate_megamoe(config) -> None:
         bad("moe_expert_capacity_factor", "token dropping is not supported; leave it None")
     if _get(config, "moe_expert_rank_capacity_factor") is not None and config.moe_token_dispatcher_type == "flex":
         # the flex dispatchers drop (hybridep) or refuse (ncclep) tokens past this per-rank budget
-        bad("moe_expert_rank_capacity_factor", "per-rank token budgets (dropping past them) are not supported; leave it None")
+        bad(
+            "moe_expert_rank_capacity_factor",
+            "per-rank token budgets (dropping past them) are not supported; leave it None",
+        )
     if config.moe_pad_expert_input_to_capacity:
         bad("moe_pad_expert_input_to_capacity", "not supported")
     if _get(config, "moe_token_dropping"):
@@ -141,7 +147,10 @@ def validate_megamoe(config) -> None:
     if config.glu_linear_offset:
         bad("glu_linear_offset", f"must be 0, got {config.glu_linear_offset}")
     if config.add_bias_linear:
-        bad("add_bias_linear", "expert / shared-expert biases are not supported; set add_bias_linear=False (--disable-bias-linear)")
+        bad(
+            "add_bias_linear",
+            "expert / shared-expert biases are not supported; set add_bias_linear=False (--disable-bias-linear)",
+        )
     if config.moe_apply_probs_on_input:
         bad("moe_apply_probs_on_input", "not supported: MegaMoE applies the router weight after SwiGLU")
     if config.moe_latent_size:
@@ -155,7 +164,10 @@ def validate_megamoe(config) -> None:
         if config.moe_shared_expert_gate:
             bad("moe_shared_expert_gate", "shared-expert gate is not supported")
         if config.moe_shared_expert_overlap:
-            bad("moe_shared_expert_overlap", "not needed and not supported: shared experts are fused into the MegaMoE call")
+            bad(
+                "moe_shared_expert_overlap",
+                "not needed and not supported: shared experts are fused into the MegaMoE call",
+            )
         if _get(config, "use_grouped_gemm_for_shared_expert"):
             bad("use_grouped_gemm_for_shared_expert", "not supported")
     # execution features that drive MoELayer through paths MegaMoE does not implement
@@ -169,7 +181,10 @@ def validate_megamoe(config) -> None:
     if _get(config, "moe_megamoe_cuda_graph") and conflict:
         bad("moe_megamoe_cuda_graph", conflict)
     if _get(config, "cuda_graph_impl", "none") not in (None, "none"):
-        bad("cuda_graph_impl", f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'")
+        bad(
+            "cuda_graph_impl",
+            f"CUDA-graph capture ({config.cuda_graph_impl!r}) of MegaMoE layers is not supported; use 'none'",
+        )
 
 
 # MegaMoEConfig field -> the Megatron setting it comes from
@@ -212,10 +227,14 @@ def cuda_graphs_enabled(config, mm_config: MegaMoEConfig, device: torch.device) 
         return bool(setting)
     if _graph_conflict(config):
         return False
-    return _get(config, "moe_megamoe_backend", "auto") in ("auto", "triton") and gpu_executor_supports(mm_config, device)
+    return _get(config, "moe_megamoe_backend", "auto") in ("auto", "triton") and gpu_executor_supports(
+        mm_config, device
+    )
 
 
-def megamoe_config(config, *, num_max_tokens_per_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16) -> MegaMoEConfig:
+def megamoe_config(
+    config, *, num_max_tokens_per_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16
+) -> MegaMoEConfig:
     """The MegaMoEConfig of a MoE layer built from Megatron's config: the one translation.
 
     config: a TransformerConfig (or anything with its field names) with `moe_megamoe_recipe` set.

@@ -32,9 +32,9 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.module import MegatronModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import MegaMoEConfigError
 
@@ -159,7 +159,9 @@ class MegaMoEExperts(MegatronModule):
             if self.naming == TE_GROUPED and i == self.num_local_experts - 1:
                 destination[f"{prefix}linear_fc{fc}._extra_state"] = None
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         used = set()
         for fc, param, own in ((1, self.fc1_weight, "fc1_weight"), (2, self.fc2_weight, "fc2_weight")):
             value = state_dict.get(prefix + own)
@@ -173,17 +175,21 @@ class MegaMoEExperts(MegatronModule):
                         used.update(keys)
                         break
             if value is None:
-                missing_keys.extend(self._expert_keys(prefix, self.naming, fc, i)[0] for i in range(self.num_local_experts))
+                missing_keys.extend(
+                    self._expert_keys(prefix, self.naming, fc, i)[0] for i in range(self.num_local_experts)
+                )
                 continue
             if tuple(value.shape) != tuple(param.shape):
-                error_msgs.append(f"size mismatch for {prefix}{own}: checkpoint {list(value.shape)}, model {list(param.shape)}")
+                error_msgs.append(
+                    f"size mismatch for {prefix}{own}: checkpoint {list(value.shape)}, model {list(param.shape)}"
+                )
                 continue
             with torch.no_grad():
                 param.copy_(value)  # bumps the version: the weight transforms see the new values
         for key in state_dict:
             if not key.startswith(prefix) or key in used:
                 continue
-            rest = key[len(prefix):]
+            rest = key[len(prefix) :]
             if rest.endswith("_extra_state") and (rest.startswith("local_experts.") or rest.startswith("linear_fc")):
                 continue  # the stock linear layers' (empty) extra state
             if strict:
@@ -206,7 +212,9 @@ class MegaMoEExperts(MegatronModule):
         def build(fc):
             def build_fn(key, data, replica_id, flattened_range):
                 if flattened_range is not None:
-                    raise NotImplementedError("MegaMoEExperts: flattened_range is not supported (nor by megatron-core 0.19's ShardedTensor)")
+                    raise NotImplementedError(
+                        "MegaMoEExperts: flattened_range is not supported (nor by megatron-core 0.19's ShardedTensor)"
+                    )
                 out = []
                 for i in range(self.num_local_experts):
                     offsets = expert_offsets(i)
@@ -214,11 +222,19 @@ class MegaMoEExperts(MegatronModule):
                     if fc == 1:  # gate and up halves, as Megatron's SwiGLU factory splits them
                         gate, up = torch.chunk(data[i], 2, dim=0)
                         out += [
-                            ShardedTensor.from_rank_offsets(key, gate, *offsets, (axis, 0, 2), replica_id=replica_id, prepend_axis_num=axis),
-                            ShardedTensor.from_rank_offsets(key, up, *offsets, (axis, 1, 2), replica_id=replica_id, prepend_axis_num=axis),
+                            ShardedTensor.from_rank_offsets(
+                                key, gate, *offsets, (axis, 0, 2), replica_id=replica_id, prepend_axis_num=axis
+                            ),
+                            ShardedTensor.from_rank_offsets(
+                                key, up, *offsets, (axis, 1, 2), replica_id=replica_id, prepend_axis_num=axis
+                            ),
                         ]
                     else:
-                        out.append(ShardedTensor.from_rank_offsets(key, data[i], *offsets, replica_id=replica_id, prepend_axis_num=axis))
+                        out.append(
+                            ShardedTensor.from_rank_offsets(
+                                key, data[i], *offsets, replica_id=replica_id, prepend_axis_num=axis
+                            )
+                        )
                 return out
 
             return build_fn
@@ -230,7 +246,10 @@ class MegaMoEExperts(MegatronModule):
             return torch.stack(list(parts))
 
         out = {}
-        for fc, param, own, merge in ((1, self.fc1_weight, "fc1_weight", merge_fc1), (2, self.fc2_weight, "fc2_weight", merge_fc2)):
+        for fc, param, own, merge in (
+            (1, self.fc1_weight, "fc1_weight", merge_fc1),
+            (2, self.fc2_weight, "fc2_weight", merge_fc2),
+        ):
             key = f"{prefix}experts.linear_fc{fc}.weight"
             out[prefix + own] = ShardedTensorFactory(key, param, build(fc), merge, replica_id)
             for i in range(self.num_local_experts):

@@ -58,11 +58,18 @@ def overwrite_expert_main_grads(ddp_model) -> int:
     switched: list[torch.nn.Parameter] = []
     for buffer in list(ddp_model.buffers) + list(ddp_model.expert_parallel_buffers):
         grad_data = buffer.grad_data
-        if grad_data is None or (getattr(buffer, "param_data", None) is not None
-                                 and _views_into(buffer.param_data, grad_data)):
+        if grad_data is None or (
+            getattr(buffer, "param_data", None) is not None and _views_into(buffer.param_data, grad_data)
+        ):
             continue  # a grad buffer that also holds parameters at times: left as megatron made it
-        mine = [p for p in buffer.params if p in candidates and hasattr(p, "main_grad")
-                and p.main_grad.dtype == torch.float32 and _views_into(p.main_grad, grad_data)]
+        mine = [
+            p
+            for p in buffer.params
+            if p in candidates
+            and hasattr(p, "main_grad")
+            and p.main_grad.dtype == torch.float32
+            and _views_into(p.main_grad, grad_data)
+        ]
         if not mine:
             continue
         spans = sorted(buffer.param_index_map[p][:2] for p in mine)

@@ -18,7 +18,7 @@ reads the stacked parameters as they are and writes their gradients.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,9 @@ class MegaMoECall:
             self._mm_configs[x.dtype] = cfg
         return cfg
 
-    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, recv_stats=None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, recv_stats=None
+    ) -> torch.Tensor:
         """x [T, H] -> y [T, H]: routed experts (+ shared experts) of this layer."""
         cfg = self.megamoe_config(x)
         buffer = get_symm_buffer(self.ep_group, cfg, device=x.device)  # shared by layers of equal shape
@@ -110,15 +112,26 @@ class MegaMoECall:
             shared = dict(shared_w1=fc1.weight, shared_w2=fc2.weight)
         # Gradient-accumulation fusion where the weights are DDP's stacked parameters (main_grad
         # set); the megakernel backend's per-forward stack has no accumulator of its own.
-        fuse = (getattr(self.config, "moe_megamoe_fuse_wgrad_accumulation", False) and isinstance(self.experts, MegaMoEExperts)
-                and hasattr(w1, "main_grad") and hasattr(w2, "main_grad"))
+        fuse = (
+            getattr(self.config, "moe_megamoe_fuse_wgrad_accumulation", False)
+            and isinstance(self.experts, MegaMoEExperts)
+            and hasattr(w1, "main_grad")
+            and hasattr(w2, "main_grad")
+        )
         graphs = self._graphs.get(cfg)
         if graphs is None:  # asked once per config (the auto mode reads the device)
             graphs = self._graphs[cfg] = cuda_graphs_enabled(self.config, cfg, x.device)
         if graphs and isinstance(self.experts, MegaMoEExperts):
             if self.graphed is None or not self.graphed.serves(buffer, w1, w2, fuse_wgrad_accumulation=fuse, **shared):
-                self.graphed = GraphedMegaMoE(buffer, w1, w2, backend=self.config.moe_megamoe_backend,
-                                              layer_id=self.layer_id, fuse_wgrad_accumulation=fuse, **shared)
+                self.graphed = GraphedMegaMoE(
+                    buffer,
+                    w1,
+                    w2,
+                    backend=self.config.moe_megamoe_backend,
+                    layer_id=self.layer_id,
+                    fuse_wgrad_accumulation=fuse,
+                    **shared,
+                )
             return self.graphed(x, topk_idx, topk_weights, recv_stats)
         return mega_moe(
             x,
@@ -163,9 +176,13 @@ class MegaMoEMoELayer(MoELayer):
     recompute, which runs inside backward, is not counted again). Read/reset with get_expert_load().
     """
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None, **kwargs):
+    def __init__(
+        self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None, **kwargs
+    ):
         if not megamoe_enabled(config):
-            raise MegaMoEConfigError("moe_megamoe_recipe: must be set to build a MegaMoEMoELayer (None = stock MoELayer)")
+            raise MegaMoEConfigError(
+                "moe_megamoe_recipe: must be set to build a MegaMoEMoELayer (None = stock MoELayer)"
+            )
         validate_megamoe(config)
         super().__init__(
             config,
@@ -179,7 +196,9 @@ class MegaMoEMoELayer(MoELayer):
         # Megatron's expert module (built by the spec, so initialized as in a stock model) hands
         # its weights to the stacked parameters and is dropped.
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
-        self.experts = MegaMoEExperts.from_native(self.experts, config, self.num_local_experts, self.ep_group, pg.expt_dp)
+        self.experts = MegaMoEExperts.from_native(
+            self.experts, config, self.num_local_experts, self.ep_group, pg.expt_dp
+        )
         device = next(self.router.parameters()).device
         self.register_buffer(
             "expert_recv_stats", torch.zeros(self.num_local_experts, dtype=torch.int64, device=device), persistent=False
@@ -258,8 +277,13 @@ def get_peer_wait_ns(model, by_site: bool = False) -> torch.Tensor | None:
     (more rows to compute, or its host behind), which a profile of one rank cannot tell apart
     from work. None before the first MegaMoE call. by_site: int64 [len(protocol.WAIT_SITES)], the
     wait split by the barrier that waited (forward / backward, first / push barrier)."""
-    buffers = {id(b): b for m in _modules(model) if isinstance(m, MegaMoEMoELayer)
-               for b in [m.megamoe.buffer] if b is not None and b.alive}
+    buffers = {
+        id(b): b
+        for m in _modules(model)
+        if isinstance(m, MegaMoEMoELayer)
+        for b in [m.megamoe.buffer]
+        if b is not None and b.alive
+    }
     if not buffers:
         return None
     return sum(b.peer_wait_ns_by_site if by_site else b.peer_wait_ns for b in buffers.values()).clone()

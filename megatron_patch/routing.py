@@ -34,21 +34,31 @@ def kernels_run_on(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _routing_map_slots_kernel(routing_map, out, T, E, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                                  ROWS: tl.constexpr):
+    def _routing_map_slots_kernel(
+        routing_map, out, T, E, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, ROWS: tl.constexpr
+    ):
         """out[t, j] = the j-th expert (ascending) with routing_map[t, e] set, -1 past the last."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, EP)
         live = rows < T
-        m = tl.load(routing_map + rows[:, None].to(tl.int64) * E + cols[None, :],
-                    mask=live[:, None] & (cols[None, :] < E), other=0) != 0
+        m = (
+            tl.load(
+                routing_map + rows[:, None].to(tl.int64) * E + cols[None, :],
+                mask=live[:, None] & (cols[None, :] < E),
+                other=0,
+            )
+            != 0
+        )
         rank = tl.cumsum(m.to(tl.int32), axis=1) - 1  # slot of each set entry
         slots = tl.arange(0, KP)
         at = m[:, None, :] & (rank[:, None, :] == slots[None, :, None])  # [ROWS, KP, EP]
         expert = tl.sum(tl.where(at, cols[None, None, :], 0), axis=2)
         filled = tl.sum(at.to(tl.int32), axis=2) > 0
-        tl.store(out + rows[:, None].to(tl.int64) * K + slots[None, :], tl.where(filled, expert, -1).to(tl.int64),
-                 mask=live[:, None] & (slots[None, :] < K))
+        tl.store(
+            out + rows[:, None].to(tl.int64) * K + slots[None, :],
+            tl.where(filled, expert, -1).to(tl.int64),
+            mask=live[:, None] & (slots[None, :] < K),
+        )
 
 
 def argsort_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
@@ -69,7 +79,15 @@ def routing_map_slots(routing_map: torch.Tensor, topk: int) -> torch.Tensor | No
     routing_map = routing_map.contiguous()
     out = torch.empty(T, topk, dtype=torch.int64, device=routing_map.device)
     if T:
-        _routing_map_slots_kernel[(triton.cdiv(T, ROWS),)](routing_map.view(torch.uint8), out, T, E, K=topk,
-                                                           KP=triton.next_power_of_2(topk),
-                                                           EP=triton.next_power_of_2(E), ROWS=ROWS, num_warps=4)
+        _routing_map_slots_kernel[(triton.cdiv(T, ROWS),)](
+            routing_map.view(torch.uint8),
+            out,
+            T,
+            E,
+            K=topk,
+            KP=triton.next_power_of_2(topk),
+            EP=triton.next_power_of_2(E),
+            ROWS=ROWS,
+            num_warps=4,
+        )
     return out

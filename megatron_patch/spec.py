@@ -31,7 +31,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
-
 from megatron.core.utils import get_pg_rank
 
 from .config import megamoe_enabled, validate_megamoe
@@ -76,7 +75,9 @@ def swap_moe_layers(spec):
     return _swap_layer_spec(spec)
 
 
-def get_megamoe_moe_module_spec(config, use_te: Optional[bool] = True, num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False):
+def get_megamoe_moe_module_spec(
+    config, use_te: Optional[bool] = True, num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False
+):
     """Megatron's get_moe_module_spec(use_te, num_experts, moe_grouped_gemm) (the MoE builder of
     HybridModel stack specs) with MoELayer -> MegaMoEMoELayer when config.moe_megamoe_recipe is set."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -105,7 +106,9 @@ def get_megamoe_hybrid_stack_spec(config, stack_spec: Optional[ModuleSpec] = Non
         return stack_spec
     validate_megamoe(config)
     submodules = stack_spec.submodules
-    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(submodules, moe_layer=_swap_layer_spec(submodules.moe_layer)))
+    return dataclasses.replace(
+        stack_spec, submodules=dataclasses.replace(submodules, moe_layer=_swap_layer_spec(submodules.moe_layer))
+    )
 
 
 def moe_layer_by_config(*, config, submodules, **kwargs):
@@ -196,7 +199,9 @@ class MegaMoEGPTLayer(BaseTransformerLayer):
             normalization=getattr(config, "normalization", None),
             qk_l2_norm=getattr(config, "qk_l2_norm", False),
         )
-        return build_module(spec, config=config, layer_number=layer_number, vp_stage=vp_stage, pg_collection=pg_collection, **kwargs)
+        return build_module(
+            spec, config=config, layer_number=layer_number, vp_stage=vp_stage, pg_collection=pg_collection, **kwargs
+        )
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ def _same_copy(copy, param):
     want = param.detach().to(torch.bfloat16)
     if copy.is_cuda:
         return torch.equal(copy, want)
-    return not copy.isnan().any() and bool(((copy.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7).all())
+    return not copy.isnan().any() and bool(((copy.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all())
 
 
 def _rel(a, b):
@@ -88,16 +88,33 @@ def check_update_matches_torch(device, moments_dtype=torch.float32):
             _round_moments(ref, moments_dtype, device)
             for p, g, (m, v), c in zip(params, grads, moments, copies):
                 versions = (p._version, c._version)
-                adamw_update(p, g, m, v, c, step=step, lr=KW["lr"], beta1=KW["betas"][0], beta2=KW["betas"][1],
-                             eps=KW["eps"], weight_decay=KW["weight_decay"], grad_scale=scale)
+                adamw_update(
+                    p,
+                    g,
+                    m,
+                    v,
+                    c,
+                    step=step,
+                    lr=KW["lr"],
+                    beta1=KW["betas"][0],
+                    beta2=KW["betas"][1],
+                    eps=KW["eps"],
+                    weight_decay=KW["weight_decay"],
+                    grad_scale=scale,
+                )
                 # counted as in-place writes: caches keyed on versions (the fp8 expert weights) see them
                 assert p._version > versions[0] and c._version > versions[1], "versions not bumped"
         for p, q, (m, v), c in zip(ref_params, params, moments, copies):
             st = ref.state[p]
             assert m.dtype == v.dtype == moments_dtype
             assert _rel(q, p) < tol_param, ("param", use_scale, moments_dtype, _rel(q, p))
-            assert _rel(m, st["exp_avg"]) < tol_moments and _rel(v, st["exp_avg_sq"]) < tol_moments, \
-                ("moments", use_scale, moments_dtype, _rel(m, st["exp_avg"]), _rel(v, st["exp_avg_sq"]))
+            assert _rel(m, st["exp_avg"]) < tol_moments and _rel(v, st["exp_avg_sq"]) < tol_moments, (
+                "moments",
+                use_scale,
+                moments_dtype,
+                _rel(m, st["exp_avg"]),
+                _rel(v, st["exp_avg_sq"]),
+            )
             assert _same_copy(c, q), ("copy", use_scale)
 
 
@@ -109,9 +126,13 @@ def check_update_without_copy_and_bad_input(device):
     # first step: m = 0.1 g, v = 0.05 g^2, bias-corrected to g and g^2: p -= lr * g / (|g| + eps)
     expect = before - 1e-2 * g / (g.abs() + 1e-8)
     assert _rel(p, expect) < 1e-6, _rel(p, expect)
-    for bad, kwargs in (("grad", dict(grad=g.double())), ("grad", dict(grad=g.bfloat16())),
-                        ("exp_avg_sq", dict(exp_avg_sq=v.half())),
-                        ("model_copy", dict(model_copy=torch.zeros(32, device=device))), ("step", dict(step=0))):
+    for bad, kwargs in (
+        ("grad", dict(grad=g.double())),
+        ("grad", dict(grad=g.bfloat16())),
+        ("exp_avg_sq", dict(exp_avg_sq=v.half())),
+        ("model_copy", dict(model_copy=torch.zeros(32, device=device))),
+        ("step", dict(step=0)),
+    ):
         args = dict(param=p, grad=g, exp_avg=m, exp_avg_sq=v, model_copy=None, step=2)
         args.update(kwargs)
         try:

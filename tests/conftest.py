@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from rank_pool import RankPool
 
 _POOLS: dict[tuple[int, str], RankPool] = {}

@@ -117,9 +117,11 @@ def dense_moe_ranks(xs, idxs, tws, w1, w2, cfg, shared=None, dgrad_quant=True, w
     return ys
 
 
-def dense_moe(x, topk_idx, topk_weights, w1, w2, cfg, shared_w1=None, shared_w2=None, dgrad_quant=True,
-              wgrad_quant=True):
+def dense_moe(
+    x, topk_idx, topk_weights, w1, w2, cfg, shared_w1=None, shared_w2=None, dgrad_quant=True, wgrad_quant=True
+):
     """One rank's tokens: x [T,H], topk_idx [T,K], topk_weights [T,K], w1 [E,2I,H] and w2 [E,H,I] of
     ALL experts. (With a quantized wgrad, gradients of w1 / w2 need dense_moe_ranks over all ranks.)"""
-    return dense_moe_ranks([x], [topk_idx], [topk_weights], w1, w2, cfg, [(shared_w1, shared_w2)],
-                           dgrad_quant, wgrad_quant)[0]
+    return dense_moe_ranks(
+        [x], [topk_idx], [topk_weights], w1, w2, cfg, [(shared_w1, shared_w2)], dgrad_quant, wgrad_quant
+    )[0]

@@ -88,7 +88,9 @@ def check_quantize_rows(device):
     ref_q, ref_s = quantize_grad(data[:live], FP8)
     assert_same_bits(out[:live], ref_q, "quantize_rows data")
     assert torch.equal(scales[:live], ref_s), "quantize_rows scales"
-    assert (out[live:].view(torch.uint8) == POISON_E4M3).all() and scales[live:].isnan().all(), "rows past num_rows written"
+    assert (out[live:].view(torch.uint8) == POISON_E4M3).all() and scales[live:].isnan().all(), (
+        "rows past num_rows written"
+    )
 
 
 def same_values(got, want, what):
@@ -146,7 +148,7 @@ def _wgrad_pool(seed):
     g = torch.Generator().manual_seed(seed)
     row_slot = torch.full((P,), -1, dtype=torch.int32)
     for start, count in ((0, 130), (256, 200), (512, 50)):
-        row_slot[start:start + count] = torch.randint(0, 4, (count,), generator=g, dtype=torch.int32)
+        row_slot[start : start + count] = torch.randint(0, 4, (count,), generator=g, dtype=torch.int32)
     return row_slot, live
 
 
@@ -173,14 +175,21 @@ def check_quantize_tokens_t(device):
         want_q, want_s = quantize_tokens_t(want_values.masked_fill(pad[:, None], 0.0), RECIPES["fp8_e4m3_wgrad"])
         for block_c in (32, 64, 128):
             out, out_s = poisoned_e4m3(C, P, device=device), nans(C, P // 128, device=device)
-            K_.quantize_tokens_t(src.to(device), None if src_scales is None else src_scales.to(device),
-                                 row_slot.to(device), live_rows(live, device), out, out_s, block_c=block_c)
+            K_.quantize_tokens_t(
+                src.to(device),
+                None if src_scales is None else src_scales.to(device),
+                row_slot.to(device),
+                live_rows(live, device),
+                out,
+                out_s,
+                block_c=block_c,
+            )
             out, out_s = out.cpu(), out_s.cpu()
             what = f"quantize_tokens_t ({source} source, block_c {block_c})"
             assert_same_bits(out[:, :live], want_q[:, :live], f"{what} data")
             assert torch.equal(out_s[:, : live // 128], want_s[:, : live // 128]), f"{what} scales"
             assert (out[:, live:].view(torch.uint8) == POISON_E4M3).all(), f"{what}: a block past num_rows was written"
-            assert out_s[:, live // 128:].isnan().all(), f"{what}: a scale past num_rows was written"
+            assert out_s[:, live // 128 :].isnan().all(), f"{what}: a scale past num_rows was written"
 
 
 def check_swiglu_backward_quantized(device, clamp):
@@ -192,8 +201,18 @@ def check_swiglu_backward_quantized(device, clamp):
     grad_act = spread_randn(P, inter, seed=3).to(torch.bfloat16)
     grad_h, grad_w = nans(P, 2 * inter, device=device, dtype=torch.bfloat16), nans(P, device=device)
     grad_h_q, grad_h_s = poisoned_e4m3(P, 2 * inter, device=device), nans(P, 2 * inter // 128, device=device)
-    K_.swiglu_backward(h.to(device), row_w.to(device), grad_act.to(device), grad_h, grad_w, live_rows(live, device),
-                       chunk, clamp, grad_h_q, grad_h_s)
+    K_.swiglu_backward(
+        h.to(device),
+        row_w.to(device),
+        grad_act.to(device),
+        grad_h,
+        grad_w,
+        live_rows(live, device),
+        chunk,
+        clamp,
+        grad_h_q,
+        grad_h_s,
+    )
     grad_h, grad_h_q, grad_h_s = grad_h.cpu(), grad_h_q.cpu(), grad_h_s.cpu()
     ref = swiglu_backward(h[:live], chunk, clamp, grad_act[:live].float() * row_w[:live, None])
     ref = deinterleave_gate_up(ref, chunk, dim=1)  # master order [gate | up]
@@ -206,7 +225,9 @@ def check_swiglu_backward_quantized(device, clamp):
     same = grad_h_q[:live].float() == ref_q.float()  # as values: a masked (clamped) zero's sign may differ
     assert same.float().mean() > 0.99, f"grad_h e4m3: {1 - same.float().mean():.2%} of codes differ"
     deq, want = dequantize_grad(grad_h_q[:live], grad_h_s[:live], FP8), dequantize_grad(ref_q, ref_s, FP8)
-    assert ((deq - want).abs() <= want.abs() * 2**-3 + ref_s.repeat_interleave(128, 1) * 2**-9).all(), "grad_h e4m3 values"
+    assert ((deq - want).abs() <= want.abs() * 2**-3 + ref_s.repeat_interleave(128, 1) * 2**-9).all(), (
+        "grad_h e4m3 values"
+    )
     assert (grad_h_q[live:].view(torch.uint8) == POISON_E4M3).all() and grad_h_s[live:].isnan().all()
 
 
@@ -257,8 +278,17 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
     CUTLASS K-grouped GEMM, or off CUDA through torch._grouped_mm on the same quantized operands) against the reference executor on the same padded plan and inputs (the
     recipe: fp8, or fp8_e4m3_wgrad with the fp8 wgrads, whose pool pads experts to 128 rows), and against the oracle
     with unquantized gradients (to show the check can tell them apart)."""
-    cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=2, num_max_tokens_per_rank=40,
-                        recipe=recipe, block_m=64, dtype=torch.bfloat16, activation_clamp=6.0)
+    cfg = MegaMoEConfig(
+        num_experts=4,
+        hidden=384,
+        intermediate=256,
+        topk=2,
+        num_max_tokens_per_rank=40,
+        recipe=recipe,
+        block_m=64,
+        dtype=torch.bfloat16,
+        activation_clamp=6.0,
+    )
     g = torch.Generator().manual_seed(5)
     T, E, H, I, K = 37, cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -305,8 +335,12 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
         """The reference backward under the fp8 recipe with these gradient formats (registered for this call only)."""
         RECIPES["fp8_check"] = dataclasses.replace(RECIPES[recipe], name="fp8_check", **formats)
         try:
-            return [t.cpu() for t in ref.experts_backward(dataclasses.replace(cfg, recipe="fp8_check"), weights, plan,
-                                                          ref_state, pool_grad)]
+            return [
+                t.cpu()
+                for t in ref.experts_backward(
+                    dataclasses.replace(cfg, recipe="fp8_check"), weights, plan, ref_state, pool_grad
+                )
+            ]
         finally:
             del RECIPES["fp8_check"]
 
@@ -336,8 +370,16 @@ def check_pull_inputs(device, recipe: str):
     must come back zero."""
     from megamoe_train.layout import buffer_layout
 
-    cfg = MegaMoEConfig(num_experts=4, hidden=384, intermediate=256, topk=3, num_max_tokens_per_rank=24,
-                        recipe=recipe, block_m=16, dtype=torch.bfloat16)
+    cfg = MegaMoEConfig(
+        num_experts=4,
+        hidden=384,
+        intermediate=256,
+        topk=3,
+        num_max_tokens_per_rank=24,
+        recipe=recipe,
+        block_m=16,
+        dtype=torch.bfloat16,
+    )
     R, T, K, H = 2, cfg.num_max_tokens_per_rank, cfg.topk, cfg.hidden
     layout = buffer_layout(cfg, R)
     regions = layout.regions
@@ -346,9 +388,11 @@ def check_pull_inputs(device, recipe: str):
 
     def view(r, name):
         reg = regions[name]
-        return buffers[r][reg.offset:reg.offset + reg.nbytes].view(reg.dtype).view(reg.shape)
+        return buffers[r][reg.offset : reg.offset + reg.nbytes].view(reg.dtype).view(reg.shape)
 
-    ids = torch.stack([torch.stack([torch.randperm(cfg.num_experts, generator=g)[:K] for _ in range(T)]) for _ in range(R)])
+    ids = torch.stack(
+        [torch.stack([torch.randperm(cfg.num_experts, generator=g)[:K] for _ in range(T)]) for _ in range(R)]
+    )
     ids[0, 3] = -1  # a token with no slot anywhere
     ids[1, 7, 1] = -1
     xs, scales, tws = [], [], []
@@ -384,9 +428,16 @@ def check_pull_inputs(device, recipe: str):
     x_pool = torch.full((P, H), 0x7F if scales else float("nan"), dtype=want_x.dtype, device=device)
     s_pool = nans(P, H // 128, device=device) if scales else None
     w_pool = nans(P, device=device)
-    K_.pull_expand(bases, regions["x"], x_pool.view(torch.float8_e4m3fn) if scales else x_pool, plan,
-                   scales_region=regions["x_scales"] if scales else None, scales_pool=s_pool,
-                   weights_region=regions["topk_weights"], row_weights=w_pool)
+    K_.pull_expand(
+        bases,
+        regions["x"],
+        x_pool.view(torch.float8_e4m3fn) if scales else x_pool,
+        plan,
+        scales_region=regions["x_scales"] if scales else None,
+        scales_pool=s_pool,
+        weights_region=regions["topk_weights"],
+        row_weights=w_pool,
+    )
     assert torch.equal(x_pool[:live].cpu(), want_x[:live]), "pulled rows"
     if scales:
         assert torch.equal(s_pool[:live].cpu(), want_s[:live]), "pulled scales"
@@ -435,7 +486,9 @@ def main(argv):
     else:
         for recipe, errors in run_all("cpu").items():
             for name, (err, err_unquantized) in errors.items():
-                print(f"{recipe} {name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized gradients")
+                print(
+                    f"{recipe} {name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized gradients"
+                )
     print("all interpreter checks passed")
 
 

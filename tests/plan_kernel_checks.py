@@ -15,8 +15,17 @@ from megamoe_train.plan import build_plan
 
 # (R, experts, T, K, align): the protocol's aligns (1, 16, 64, 128), K not a power of two, more
 # experts per rank than 255 bins would hold, one token, T not a multiple of the chunk
-CASES = [(1, 4, 9, 2, 4), (2, 8, 33, 3, 8), (4, 16, 20, 4, 16), (3, 6, 1, 2, 1), (2, 4, 17, 4, 1),
-         (4, 4, 12, 3, 2), (2, 256, 300, 8, 128), (2, 254, 100, 6, 16), (2, 512, 40, 8, 64)]
+CASES = [
+    (1, 4, 9, 2, 4),
+    (2, 8, 33, 3, 8),
+    (4, 16, 20, 4, 16),
+    (3, 6, 1, 2, 1),
+    (2, 4, 17, 4, 1),
+    (4, 4, 12, 3, 2),
+    (2, 256, 300, 8, 128),
+    (2, 254, 100, 6, 16),
+    (2, 512, 40, 8, 64),
+]
 
 
 def routings(R, E, T, K, seed):
@@ -41,7 +50,8 @@ def check_plan_tables(device):
                 for field in want.__dataclass_fields__:
                     a, b = getattr(want, field), getattr(got, field)
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (
-                        f"{field} differs: R={R} E={E} T={T} K={K} align={align} {name} owner={owner}")
+                        f"{field} differs: R={R} E={E} T={T} K={K} align={align} {name} owner={owner}"
+                    )
 
 
 def check_plan_from_buffers(device):
@@ -56,7 +66,9 @@ def check_plan_from_buffers(device):
     pad = 5  # int32 words before the ids in every "buffer"
     for name, ids in routings(R, E, T, K, 7):
         ids = ids.to(torch.int32)
-        buffers = [torch.cat([torch.full((pad,), 99, dtype=torch.int32), ids[s].flatten()]).to(device) for s in range(R)]
+        buffers = [
+            torch.cat([torch.full((pad,), 99, dtype=torch.int32), ids[s].flatten()]).to(device) for s in range(R)
+        ]
         bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
         region = SimpleNamespace(shape=(T, K), offset=pad * 4)
         for ok in (True, False):
@@ -67,7 +79,8 @@ def check_plan_from_buffers(device):
                 for field in want.__dataclass_fields__:
                     a, b = getattr(want, field), getattr(got, field)
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (
-                        f"{field} differs: {name} ok={ok} owner={owner}")
+                        f"{field} differs: {name} ok={ok} owner={owner}"
+                    )
 
 
 def check_store_routing(device):
@@ -116,7 +129,9 @@ def check_routing_masks(device):
                 want = ReferenceExecutor().routing_masks(ids, all_ok, R, E // R)
                 got = K_.routing_masks(ids, all_ok, R, E // R)
                 for w, g in zip(want, got):
-                    assert g.dtype == torch.bool and torch.equal(w, g), f"routing masks differ: {(R, E, T, K, name, ok)}"
+                    assert g.dtype == torch.bool and torch.equal(w, g), (
+                        f"routing masks differ: {(R, E, T, K, name, ok)}"
+                    )
 
 
 def main():

@@ -14,8 +14,14 @@ import torch
 
 # (T, E, topk, num_groups, group_topk): DeepSeek-V3's group-limited routing, plain top-k at the
 # recipes' widths, T not a multiple of the kernel's 16 rows, and an E that is not a power of two
-ROUTER_CASES = [(37, 256, 8, 8, 4), (50, 64, 6, None, None), (19, 8, 2, None, None), (33, 128, 8, None, None),
-                (21, 60, 4, None, None), (40, 64, 4, 4, 2)]
+ROUTER_CASES = [
+    (37, 256, 8, 8, 4),
+    (50, 64, 6, None, None),
+    (19, 8, 2, None, None),
+    (33, 128, 8, None, None),
+    (21, 60, 4, None, None),
+    (40, 64, 4, 4, 2),
+]
 
 
 def _scores(T, E, gen, device):
@@ -72,9 +78,16 @@ def check_router_functions(device):
         results = []
         for fn in (moe_utils.topk_routing_with_score_function, routing):
             x = logits.clone().requires_grad_(True)
-            probs, routing_map = fn(x, K, use_pre_softmax=case.get("pre", False), num_groups=case["num_groups"],
-                                    group_topk=case["group_topk"], scaling_factor=case["scaling_factor"],
-                                    score_function=case["score_function"], expert_bias=bias)
+            probs, routing_map = fn(
+                x,
+                K,
+                use_pre_softmax=case.get("pre", False),
+                num_groups=case["num_groups"],
+                group_topk=case["group_topk"],
+                scaling_factor=case["scaling_factor"],
+                score_function=case["score_function"],
+                expert_bias=bias,
+            )
             (probs * grad_out).sum().backward()
             results.append((probs.detach(), routing_map, x.grad))
         (p0, m0, g0), (p1, m1, g1) = results

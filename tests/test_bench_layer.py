@@ -27,8 +27,12 @@ def test_floor_counts():
     H, I = 4096, 2048
     rates = dict(gemm_bf16_tflops=800.0, gemm_fp8_tflops=1400.0, nvlink_gbps=400.0, hbm_gbps=None)
     # rank 0 busier in GEMMs, rank 1 with more rows arriving
-    stats = dict(per_rank=[dict(recv_rows=50_000, dispatch_in=1000, combine_in=3000),
-                           dict(recv_rows=40_000, dispatch_in=9000, combine_in=2000)])
+    stats = dict(
+        per_rank=[
+            dict(recv_rows=50_000, dispatch_in=1000, combine_in=3000),
+            dict(recv_rows=40_000, dispatch_in=9000, combine_in=2000),
+        ]
+    )
     for recipe, rate, act in (("bf16", 800.0, 2), ("fp8", 1400.0, 1)):
         f_fwd, f_all, detail = bl.floor_ms(stats, H, I, recipe, rates)
         gemm = 6.0 * 50_000 * H * I / (rate * 1e12) * 1e3  # L1 2*rows*H*2I + L2 2*rows*I*H

@@ -29,17 +29,33 @@ def stub_toolchain(tmp_path_factory):
     (headers / "cutlass.h").write_text("// stub\n")
     (base / "site" / "cutlass_library" / "__init__.py").write_text("")
     tree = base / "tree"
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.so", "__pycache__", ".dev", ".whl", "results"))
+    shutil.copytree(
+        ROOT,
+        tree,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "runs", "*.so", "__pycache__", ".dev", ".whl", "results"
+        ),
+    )
     return cuda, base / "site", tree
 
 
 def _build(stub_toolchain, mode):
     cuda, site, tree = stub_toolchain
     shutil.rmtree(tree / "build", ignore_errors=True)
-    env = dict(os.environ, CUDA_HOME=str(cuda), MEGAMOE_BUILD_CUDA=mode,
-               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        CUDA_HOME=str(cuda),
+        MEGAMOE_BUILD_CUDA=mode,
+        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    )
+    return subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_failing_nvcc_skips_the_cuda_extension(stub_toolchain):
@@ -61,10 +77,20 @@ def _build_with(stub_toolchain, mode, cuda_home):
     shutil.rmtree(tree / "build", ignore_errors=True)
     for so in (tree / "megamoe_train").glob("*.so"):
         so.unlink()
-    env = dict(os.environ, CUDA_HOME=str(cuda_home), MEGAMOE_BUILD_CUDA=mode,
-               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        CUDA_HOME=str(cuda_home),
+        MEGAMOE_BUILD_CUDA=mode,
+        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    )
+    return subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")

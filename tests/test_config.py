@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megamoe_train import MegaMoEConfig, RECIPES
+from megamoe_train import RECIPES, MegaMoEConfig
 
 OK = dict(num_experts=8, hidden=256, intermediate=128, topk=2, num_max_tokens_per_rank=64)
 

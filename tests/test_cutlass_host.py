@@ -47,8 +47,14 @@ def bad_case(index, value, operands=wgrad_operands):
         (bad_case(4, torch.zeros(2, 2, dtype=torch.int32)), "group_ends \\[G\\] expected"),
         (bad_case(5, torch.empty(4, 384, 256, dtype=torch.bfloat16)), "out must be .* shape \\[4, 256, 384\\]"),
         (bad_case(5, torch.empty(4, 256, 384)), "out must be a contiguous torch.bfloat16"),
-        (bad_case(5, torch.empty(4 * 256 * 384 + 1, dtype=torch.bfloat16)[1:].view(4, 256, 384)), "out must start at a 16-byte aligned"),
-        (bad_case(0, torch.zeros(256 * 1024 + 8, dtype=E4M3)[8:].view(256, 1024)), "a_t must start at a 16-byte aligned"),
+        (
+            bad_case(5, torch.empty(4 * 256 * 384 + 1, dtype=torch.bfloat16)[1:].view(4, 256, 384)),
+            "out must start at a 16-byte aligned",
+        ),
+        (
+            bad_case(0, torch.zeros(256 * 1024 + 8, dtype=E4M3)[8:].view(256, 1024)),
+            "a_t must start at a 16-byte aligned",
+        ),
         (bad_case(0, torch.zeros(200, 1024, dtype=E4M3)), "M=200, N=384 and P=1024 .* multiples of 128"),
         (bad_case(0, torch.zeros(256, 1000, dtype=E4M3)), "P=1000 .* multiples of 128"),
         (wgrad_operands(), "must be CUDA tensors"),  # everything else is right
@@ -140,7 +146,10 @@ def misaligned(shape, dtype):
         (bad_case(0, misaligned((256, 384), E4M3), fp8_operands), "a must start at a 16-byte aligned"),
         (bad_case(2, misaligned((3, 256, 384), E4M3), fp8_operands), "b must start at a 16-byte aligned"),
         (bad_case(5, misaligned((256, 256), torch.bfloat16), fp8_operands), "out must start at a 16-byte aligned"),
-        (bad_case(0, torch.zeros(256, 384, dtype=torch.bfloat16), fp8_operands), "a must be a contiguous torch.float8_e4m3fn"),
+        (
+            bad_case(0, torch.zeros(256, 384, dtype=torch.bfloat16), fp8_operands),
+            "a must be a contiguous torch.float8_e4m3fn",
+        ),
         (bad_case(2, torch.zeros(3, 256, 200, dtype=E4M3), fp8_operands), "b must be .* shape \\[3, 256, 384\\]"),
         (bad_case(0, torch.zeros(384, dtype=E4M3), fp8_operands), "a \\[M, K\\] and b \\[G, N, K\\] expected"),
         (fp8_operands(), "must be CUDA tensors"),  # everything else is right
@@ -157,7 +166,10 @@ def test_fp8_grouped_gemm_rejects_bad_operands_before_touching_a_device(args, me
         (bad_case(0, misaligned((256, 384), torch.bfloat16), bf16_operands), "a must start at a 16-byte aligned"),
         (bad_case(1, misaligned((3, 256, 384), torch.bfloat16), bf16_operands), "b must start at a 16-byte aligned"),
         (bad_case(3, misaligned((256, 256), torch.bfloat16), bf16_operands), "out must start at a 16-byte aligned"),
-        (bad_case(1, torch.zeros(3, 384, 256, dtype=torch.bfloat16).transpose(1, 2), bf16_operands), "b must be a contiguous"),
+        (
+            bad_case(1, torch.zeros(3, 384, 256, dtype=torch.bfloat16).transpose(1, 2), bf16_operands),
+            "b must be a contiguous",
+        ),
         (bf16_operands(), "must be CUDA tensors"),
     ],
 )
@@ -170,12 +182,22 @@ def test_row_grouped_gemms_reject_k_zero():
     # K = 0: the CUTLASS main loop would run no K step and store uncleared accumulators
     ends = torch.tensor([8, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="bf16_grouped_gemm: K must be positive"):
-        cutlass_gemm.bf16_grouped_gemm(torch.zeros(16, 0, dtype=torch.bfloat16), torch.zeros(2, 64, 0, dtype=torch.bfloat16),
-                                       ends, torch.zeros(16, 64, dtype=torch.bfloat16))
+        cutlass_gemm.bf16_grouped_gemm(
+            torch.zeros(16, 0, dtype=torch.bfloat16),
+            torch.zeros(2, 64, 0, dtype=torch.bfloat16),
+            ends,
+            torch.zeros(16, 64, dtype=torch.bfloat16),
+        )
     E4M3 = torch.float8_e4m3fn
     with pytest.raises(ValueError, match="fp8_grouped_gemm: K must be positive"):
-        cutlass_gemm.fp8_grouped_gemm(torch.zeros(16, 0, dtype=E4M3), torch.zeros(16, 0), torch.zeros(2, 128, 0, dtype=E4M3),
-                                      torch.zeros(2, 1, 0), ends, torch.zeros(16, 128, dtype=torch.bfloat16))
+        cutlass_gemm.fp8_grouped_gemm(
+            torch.zeros(16, 0, dtype=E4M3),
+            torch.zeros(16, 0),
+            torch.zeros(2, 128, 0, dtype=E4M3),
+            torch.zeros(2, 1, 0),
+            ends,
+            torch.zeros(16, 128, dtype=torch.bfloat16),
+        )
 
 
 needs_extension = pytest.mark.skipif(cutlass_gemm._cuda is None, reason="megamoe_train._cuda not built")
@@ -245,10 +267,21 @@ def test_group_arrays_on_the_host(tmp_path):
     nvcc, include, lib = _toolchain()
     exe = tmp_path / "group_arrays_check"
     build = subprocess.run(
-        [str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
-         f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{include}", f"-L{lib}", str(ROOT / "tests" / "csrc" / "group_arrays_check.cu"),
-         "-o", str(exe)],
-        capture_output=True, text=True, timeout=600,
+        [
+            str(nvcc),
+            "-std=c++17",
+            "--expt-relaxed-constexpr",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            f"-I{ROOT / 'csrc' / 'cuda'}",
+            f"-I{include}",
+            f"-L{lib}",
+            str(ROOT / "tests" / "csrc" / "group_arrays_check.cu"),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if build.returncode != 0 and "unsupported gpu architecture" in build.stderr.lower():
         pytest.skip(f"nvcc cannot target sm_90a: {build.stderr.strip()[:200]}")

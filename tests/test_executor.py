@@ -33,8 +33,11 @@ def _asked_by_protocol() -> set[str]:
     """Every `executor.NAME` that protocol.py reads."""
     path = inspect.getsourcefile(protocol)
     tree = ast.parse(open(path).read(), path)
-    return {n.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "executor"}
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "executor"
+    }
 
 
 def test_the_contract_is_what_the_protocol_asks():

@@ -3,7 +3,6 @@ memory, one process per GPU, against the dense MoE oracle."""
 
 import pytest
 import torch
-
 from test_mega_moe_dist import BASE, run_against_dense
 
 pytestmark = pytest.mark.gpu
@@ -29,4 +28,6 @@ def test_reference_over_symmetric_memory(rank_pools, world, recipe):
 @pytest.mark.parametrize("routing", ["masked", "one_expert", "skewed"])
 def test_reference_routings_bf16(rank_pools, world, routing):
     cfg = dict(GPU_BASE, dtype=torch.bfloat16, num_shared_experts=1, activation_clamp=3.0)
-    rank_pools(world, "nccl").run(run_against_dense, cfg, ([300, 99, 7, 250] * 2)[:world], seed=3, routing=routing, backend="reference")
+    rank_pools(world, "nccl").run(
+        run_against_dense, cfg, ([300, 99, 7, 250] * 2)[:world], seed=3, routing=routing, backend="reference"
+    )

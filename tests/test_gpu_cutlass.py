@@ -82,7 +82,9 @@ def test_agrees_with_triton_kernel():
     aq, a_s, bq, b_s, ends = make_case(sizes, 256, 512, tail_rows=0, seed=3)
     ours = torch.empty(aq.shape[0], 256, dtype=torch.bfloat16, device=aq.device)
     cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, ours)
-    block_expert = torch.repeat_interleave(torch.arange(len(sizes), device=aq.device), torch.tensor(sizes, device=aq.device) // 128).to(torch.int32)
+    block_expert = torch.repeat_interleave(
+        torch.arange(len(sizes), device=aq.device), torch.tensor(sizes, device=aq.device) // 128
+    ).to(torch.int32)
     tri = torch.empty_like(ours)
     K_.grouped_gemm(aq, bq, block_expert, tri, a_s, b_s, block_m=128)
     assert rel_err(ours, tri.float()) < 4e-3
@@ -172,7 +174,11 @@ def make_wgrad_case(sizes, m, n, tail=256, seed=0):
     ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     live = int(sum(sizes))
     p = live + tail
-    a = torch.randn(m, p, device=dev, generator=gen) * torch.logspace(-2, 2, p, device=dev) * torch.logspace(1, -1, m, device=dev)[:, None]
+    a = (
+        torch.randn(m, p, device=dev, generator=gen)
+        * torch.logspace(-2, 2, p, device=dev)
+        * torch.logspace(1, -1, m, device=dev)[:, None]
+    )
     b = torch.randn(n, p, device=dev, generator=gen) * torch.logspace(1, -2, p, device=dev)
     b[: n // 3] *= 30.0
     aq, a_s = quantize_act(a.to(torch.bfloat16), FP8)
@@ -227,7 +233,11 @@ def check_wgrad(out, full, ref, ends):
 @pytest.mark.parametrize(
     "sizes,m,n",
     [
-        ([384, 0, 128, 512, 256, 0, 1024, 128], 256, 384),  # skewed, empty, exactly 128 rows; 3 N tiles (odd, 1x2 cluster)
+        (
+            [384, 0, 128, 512, 256, 0, 1024, 128],
+            256,
+            384,
+        ),  # skewed, empty, exactly 128 rows; 3 N tiles (odd, 1x2 cluster)
         ([0, 256, 128, 0, 640, 384, 128, 256, 0, 512, 128, 256], 512, 256),  # W1-like (M = 2I > N), first expert empty
         ([4096, 2048], 512, 1024),  # S3-like depth: 32 and 16 K steps
         ([(g % 3) * 128 for g in range(130)], 128, 128),  # more experts than one fill block's threads
@@ -324,8 +334,12 @@ def make_acc_case(sizes, m, n, tail=48, seed=0):
     dev = torch.device("cuda", 0)
     ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     live = int(sum(sizes))
-    a = (torch.randn(live + tail, m, device=dev, generator=gen) * torch.logspace(-1, 1, m, device=dev)).to(torch.bfloat16)
-    b = (torch.randn(live + tail, n, device=dev, generator=gen) * torch.logspace(1, -1, n, device=dev)).to(torch.bfloat16)
+    a = (torch.randn(live + tail, m, device=dev, generator=gen) * torch.logspace(-1, 1, m, device=dev)).to(
+        torch.bfloat16
+    )
+    b = (torch.randn(live + tail, n, device=dev, generator=gen) * torch.logspace(1, -1, n, device=dev)).to(
+        torch.bfloat16
+    )
     a[live:] = float("nan")
     b[live:] = float("nan")
     full = torch.full((len(sizes) + 2, m, n), 7.0, device=dev)

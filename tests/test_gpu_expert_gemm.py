@@ -119,7 +119,9 @@ def test_swiglu_matches_oracle(sizes, inter, k, chunk, clamp):
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
     again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=1)  # and the same bits without pairs
-    assert torch.equal(h[:live], again[0][:live]) and torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8))
+    assert torch.equal(h[:live], again[0][:live]) and torch.equal(
+        act[:live].view(torch.uint8), again[1][:live].view(torch.uint8)
+    )
 
 
 @needs_kernel

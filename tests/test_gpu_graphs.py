@@ -7,12 +7,12 @@ without Megatron's main_grad; recv_stats count like eager calls; calls the graph
 
 import pytest
 import torch
+from test_gpu_triton import TRITON_BASE, WORLDS
+from test_mega_moe_dist import make_problem, rel_err
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
 from megamoe_train.graphs import GraphedMegaMoE
 from megamoe_train.weights import clear_weight_cache
-from test_gpu_triton import TRITON_BASE, WORLDS
-from test_mega_moe_dist import make_problem, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -40,8 +40,9 @@ def graphed_steps(rank, world, recipe):
         torch.cuda.synchronize()
         return [y.detach().clone(), x.grad, tw.grad] + [p.grad.clone() for p in params]
 
-    eager = lambda x, idx, tw, stats: mega_moe(x, idx, tw, w1, w2, buf, shared_w1=sw1, shared_w2=sw2,
-                                                backend="triton", recv_stats=stats)
+    eager = lambda x, idx, tw, stats: mega_moe(
+        x, idx, tw, w1, w2, buf, shared_w1=sw1, shared_w2=sw2, backend="triton", recv_stats=stats
+    )
     names = ["y", "x", "topk_weights", "w1", "w2", "shared_w1", "shared_w2"]
     for step in range(4):
         prob = make_problem(cfg, world, [200] * world, seed=20 + step)
@@ -209,7 +210,9 @@ def graphs_refuse_the_reference(rank, world):
     when built (naming the executor), before any call."""
     cfg = MegaMoEConfig(**dict(TRITON_BASE, recipe="bf16"))
     buf = get_symm_buffer(None, cfg, timeout_s=20)
-    w1 = torch.randn(cfg.num_experts // world, 2 * cfg.intermediate, cfg.hidden, device=buf.device, dtype=torch.bfloat16)
+    w1 = torch.randn(
+        cfg.num_experts // world, 2 * cfg.intermediate, cfg.hidden, device=buf.device, dtype=torch.bfloat16
+    )
     w2 = torch.randn(cfg.num_experts // world, cfg.hidden, cfg.intermediate, device=buf.device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="need the GPU executor; backend 'reference' runs 'reference'"):
         GraphedMegaMoE(buf, w1, w2, backend="reference")

@@ -11,12 +11,17 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from megamoe_train import (
-    MegaMoECallMismatchError, MegaMoEConfig, MegaMoELayer, MegaMoEPeerError, get_symm_buffer, mega_moe,
-)
 from test_gpu_triton import TRITON_BASE
 from test_mega_moe_dist import make_problem
+
+from megamoe_train import (
+    MegaMoECallMismatchError,
+    MegaMoEConfig,
+    MegaMoELayer,
+    MegaMoEPeerError,
+    get_symm_buffer,
+    mega_moe,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +89,7 @@ def test_reduce_kernel_offsets_past_2_31():
     partials[:, :n].normal_()
     mask = torch.rand(n, 2, device="cuda") < 0.6
     out = reduce_partials(partials, mask, n, True, torch.bfloat16)
-    want = (partials[0, :n].float() * mask[:, :1] + partials[1, :n].float() * mask[:, 1:] + partials[2, :n].float())
+    want = partials[0, :n].float() * mask[:, :1] + partials[1, :n].float() * mask[:, 1:] + partials[2, :n].float()
     assert torch.equal(out, want.to(torch.bfloat16))
 
 
@@ -305,6 +310,7 @@ def rank_fails_mid_call(rank, world):
         layer(*args)
     torch.cuda.synchronize()
     if rank == 1:  # a host exception after the first barrier of call 2
+
         def broken(self, *a):
             raise MemoryError("injected host failure after the first barrier")
 

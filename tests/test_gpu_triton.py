@@ -9,17 +9,18 @@ import os
 
 import pytest
 import torch
-
 from dense_moe import dense_moe
 from poison import poisoned
-from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
 from test_mega_moe_dist import make_problem, rel_err, run_against_dense
+
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
 
 pytestmark = pytest.mark.gpu
 
 WORLDS = [w for w in (1, 2, 4, 8) if torch.cuda.is_available() and w <= torch.cuda.device_count()]
-TRITON_BASE = dict(num_experts=16, hidden=256, intermediate=256, topk=4, num_max_tokens_per_rank=300,
-                   block_m=64, dtype=torch.bfloat16)
+TRITON_BASE = dict(
+    num_experts=16, hidden=256, intermediate=256, topk=4, num_max_tokens_per_rank=300, block_m=64, dtype=torch.bfloat16
+)
 
 
 def poison_buffer(cfg_kwargs):
@@ -37,8 +38,18 @@ def _gpu_tolerance(cfg_kwargs):
 
 def triton_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform"):
     poison_buffer(cfg_kwargs)
-    return poisoned(run_against_dense, rank, world, cfg_kwargs, tokens, seed, routing=routing, repeat=True,
-                     backend="triton", tol=_gpu_tolerance(cfg_kwargs))
+    return poisoned(
+        run_against_dense,
+        rank,
+        world,
+        cfg_kwargs,
+        tokens,
+        seed,
+        routing=routing,
+        repeat=True,
+        backend="triton",
+        tol=_gpu_tolerance(cfg_kwargs),
+    )
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -100,8 +111,15 @@ def bad_ids_sync_then_deferred(rank, world):
     if rank == world - 1:
         with pytest.raises(MegaMoEInputError, match="num_max_tokens_per_rank"):
             big = cfg.num_max_tokens_per_rank + 1
-            mega_moe(torch.zeros(big, cfg.hidden, dtype=cfg.dtype, device=dev), torch.zeros(big, cfg.topk, dtype=torch.long, device=dev),
-                     torch.ones(big, cfg.topk, device=dev), w1, w2, buf, backend="triton")
+            mega_moe(
+                torch.zeros(big, cfg.hidden, dtype=cfg.dtype, device=dev),
+                torch.zeros(big, cfg.topk, dtype=torch.long, device=dev),
+                torch.ones(big, cfg.topk, device=dev),
+                w1,
+                w2,
+                buf,
+                backend="triton",
+            )
     else:
         mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
     torch.cuda.synchronize()
@@ -173,7 +191,9 @@ def graph_capture(rank, world, recipe):
     want = eager()
     for name, a, b in zip(["y", "x", "topk_weights", "w1", "w2", "shared_w1", "shared_w2"], got, want):
         assert torch.equal(a, b), (name, rel_err(a, b))
-    y_dense = dense_moe(prob2["x"][rank], prob2["idx"][rank], prob2["w"][rank], prob["w1"], prob["w2"], cfg, prob["sw1"], prob["sw2"])
+    y_dense = dense_moe(
+        prob2["x"][rank], prob2["idx"][rank], prob2["w"][rank], prob["w1"], prob["w2"], cfg, prob["sw1"], prob["sw2"]
+    )
     assert rel_err(got[0].cpu(), y_dense) < 2e-2
 
 
@@ -204,8 +224,14 @@ def _forward_backward(rank, world, cfg, prob, backend):
     mine = slice(rank * E_l, (rank + 1) * E_l)
     buf = get_symm_buffer(None, cfg, timeout_s=20)
     leaf = lambda t: t.clone().to(buf.device).requires_grad_()
-    params = [leaf(prob["x"][rank]), leaf(prob["w"][rank]), leaf(prob["w1"][mine]), leaf(prob["w2"][mine]),
-              leaf(prob["sw1"]), leaf(prob["sw2"])]
+    params = [
+        leaf(prob["x"][rank]),
+        leaf(prob["w"][rank]),
+        leaf(prob["w1"][mine]),
+        leaf(prob["w2"][mine]),
+        leaf(prob["sw1"]),
+        leaf(prob["sw2"]),
+    ]
     x, tw, w1, w2, sw1, sw2 = params
     y = mega_moe(x, prob["idx"][rank].to(buf.device), tw, w1, w2, buf, shared_w1=sw1, shared_w2=sw2, backend=backend)
     y.backward(prob["gy"][rank].to(buf.device))
@@ -348,19 +374,21 @@ def _check_division(kernel, x, scales, chunk=1024):
     2^-20 (subnormal territory, far under e4m3's smallest step 2^-9, where a flushed or
     once-rounded operand may differ in fp32) the e4m3 bits the quantizers keep of it."""
     for i in range(0, scales.numel(), chunk):
-        s = scales[i:i + chunk].contiguous()
+        s = scales[i : i + chunk].contiguous()
         out = torch.empty(s.numel(), x.numel(), device=x.device)
         kernel[(triton_cdiv(x.numel(), 1024), s.numel())](x, s, out, x.numel(), BLOCK=1024)
         want = x[None, :] / s[:, None]
         same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
-        tiny = want.abs() < 2.0 ** -20
+        tiny = want.abs() < 2.0**-20
         e4m3 = lambda t: t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)  # noqa: E731
         same |= tiny & (e4m3(out) == e4m3(want))
-        same |= want.abs() > 2.0 ** 12  # outside the domain (infinite scales give 0 or NaN: inside)
+        same |= want.abs() > 2.0**12  # outside the domain (infinite scales give 0 or NaN: inside)
         if not bool(same.all()):
             bad = (~same).nonzero()[0].tolist()
-            raise AssertionError(f"x={x[bad[1]].item()!r} / scale={s[bad[0]].item()!r}: {out[tuple(bad)].item()!r}, "
-                                 f"torch {want[tuple(bad)].item()!r} ({int((~same).sum())} pairs differ)")
+            raise AssertionError(
+                f"x={x[bad[1]].item()!r} / scale={s[bad[0]].item()!r}: {out[tuple(bad)].item()!r}, "
+                f"torch {want[tuple(bad)].item()!r} ({int((~same).sum())} pairs differ)"
+            )
 
 
 def triton_cdiv(a, b):
@@ -385,6 +413,15 @@ def test_quantizer_division_is_torchs_bit_for_bit():
     _check_division(kernel, x, scales)
     g = torch.Generator(device=dev).manual_seed(0)
     for _ in range(4):
-        xr = torch.randn(1 << 24, device=dev, generator=g) * torch.exp2(torch.randint(-60, 60, (1 << 24,), device=dev, generator=g).float())
-        sr = torch.clamp(torch.rand(64, device=dev, generator=g) * torch.exp2(torch.randint(-30, 30, (64,), device=dev, generator=g).float()), min=1e-4) / 448.0
+        xr = torch.randn(1 << 24, device=dev, generator=g) * torch.exp2(
+            torch.randint(-60, 60, (1 << 24,), device=dev, generator=g).float()
+        )
+        sr = (
+            torch.clamp(
+                torch.rand(64, device=dev, generator=g)
+                * torch.exp2(torch.randint(-30, 30, (64,), device=dev, generator=g).float()),
+                min=1e-4,
+            )
+            / 448.0
+        )
         _check_division(kernel, xr, sr, chunk=4)

@@ -19,8 +19,22 @@ from megamoe_train import graphs
 H, K, MAX_TOKENS = 8, 2, 8
 
 
-def fake_mega_moe(x, topk_idx, topk_weights, w1, w2, buffer, *, shared_w1=None, shared_w2=None, recv_stats=None,
-                  backend="auto", layer_id=0, fuse_wgrad_accumulation=False, prepared_weights=None):
+def fake_mega_moe(
+    x,
+    topk_idx,
+    topk_weights,
+    w1,
+    w2,
+    buffer,
+    *,
+    shared_w1=None,
+    shared_w2=None,
+    recv_stats=None,
+    backend="auto",
+    layer_id=0,
+    fuse_wgrad_accumulation=False,
+    prepared_weights=None,
+):
     if x.shape[0] > MAX_TOKENS:  # as check_inputs: the call raises (on every rank)
         raise ValueError(f"x: {x.shape[0]} tokens exceed num_max_tokens_per_rank={MAX_TOKENS}")
     return x * topk_weights.sum(1, keepdim=True) * w1.sum() + w2.sum()
@@ -45,8 +59,11 @@ def fake_cuda(monkeypatch):
 
 
 def make_graphed():
-    buffer = SimpleNamespace(device=torch.device("cuda"), num_local_experts=2,
-                             config=SimpleNamespace(dtype=torch.float32, precision=SimpleNamespace(weight_format="native")))
+    buffer = SimpleNamespace(
+        device=torch.device("cuda"),
+        num_local_experts=2,
+        config=SimpleNamespace(dtype=torch.float32, precision=SimpleNamespace(weight_format="native")),
+    )
     w1 = torch.randn(2, 4, H, requires_grad=True)
     w2 = torch.randn(2, H, 2, requires_grad=True)
     return graphs.GraphedMegaMoE(buffer, w1, w2, backend="triton"), w1, w2

@@ -18,9 +18,17 @@ PACKAGES = ("megamoe_train", "megatron_patch", "megamoe_trainer")
 # registry); kernels are the Triton and CUTLASS code that an executor launches; base is what all
 # of them share (config, recipes, quantization, the plan, the expert weights, the buffer). Every
 # module of megamoe_train not named here is base.
-CORE = {"megamoe_train", "megamoe_train.demo", "megamoe_train.layer", "megamoe_train.graphs", "megamoe_train.autograd",
-        "megamoe_train.protocol"}
-KERNELS = {f"megamoe_train.backends.{m}" for m in ("triton_kernels", "triton_plan", "triton_weight_prep", "cutlass_gemm")}
+CORE = {
+    "megamoe_train",
+    "megamoe_train.demo",
+    "megamoe_train.layer",
+    "megamoe_train.graphs",
+    "megamoe_train.autograd",
+    "megamoe_train.protocol",
+}
+KERNELS = {
+    f"megamoe_train.backends.{m}" for m in ("triton_kernels", "triton_plan", "triton_weight_prep", "cutlass_gemm")
+}
 LAYERS = ("base", "kernels", "backends", "core")  # bottom up
 
 
@@ -71,7 +79,9 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
                 sub = f"{mod}.{a.name}"
                 if sub in modules:
                     targets.append(sub)
-                elif mod in modules and (not modules[mod].endswith("__init__.py") or a.name in _bound_names(modules[mod])):
+                elif mod in modules and (
+                    not modules[mod].endswith("__init__.py") or a.name in _bound_names(modules[mod])
+                ):
                     targets.append(mod)
         else:
             continue
@@ -95,14 +105,20 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_core_imports_neither_adapter_nor_trainer():
-    bad = {m: sorted(i for i in deps if i.split(".")[0] != "megamoe_train")
-           for m, deps in _graph().items() if m.split(".")[0] == "megamoe_train"}
+    bad = {
+        m: sorted(i for i in deps if i.split(".")[0] != "megamoe_train")
+        for m, deps in _graph().items()
+        if m.split(".")[0] == "megamoe_train"
+    }
     assert not {m: d for m, d in bad.items() if d}
 
 
 def test_adapter_does_not_import_trainer():
-    bad = {m: sorted(i for i in deps if i.split(".")[0] == "megamoe_trainer")
-           for m, deps in _graph().items() if m.split(".")[0] == "megatron_patch"}
+    bad = {
+        m: sorted(i for i in deps if i.split(".")[0] == "megamoe_trainer")
+        for m, deps in _graph().items()
+        if m.split(".")[0] == "megatron_patch"
+    }
     assert not {m: d for m, d in bad.items() if d}
 
 
@@ -150,7 +166,7 @@ def test_no_import_circles():
         stack.append(m)
         for d in sorted(edges.get(m, ())):
             if state.get(d) == "open":
-                circles.append(stack[stack.index(d):] + [d])
+                circles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()

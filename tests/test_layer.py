@@ -2,15 +2,23 @@
 
 import pytest
 import torch
-
 from dense_moe import dense_moe
+
 from megamoe_train import MegaMoEConfig, MegaMoELayer
 
 
 def layer_step(rank, world, shared):
     torch.manual_seed(0)
-    cfg = MegaMoEConfig(num_experts=8, hidden=32, intermediate=16, topk=2, num_max_tokens_per_rank=64, block_m=8,
-                        dtype=torch.float32, num_shared_experts=shared)
+    cfg = MegaMoEConfig(
+        num_experts=8,
+        hidden=32,
+        intermediate=16,
+        topk=2,
+        num_max_tokens_per_rank=64,
+        block_m=8,
+        dtype=torch.float32,
+        num_shared_experts=shared,
+    )
     layer = MegaMoELayer(cfg)
     E_l = cfg.num_experts // world
     assert tuple(layer.w1.shape) == (E_l, 32, 32) and tuple(layer.w2.shape) == (E_l, 32, 16)
@@ -57,7 +65,9 @@ def layer_rejects_buffer_of_other_group(rank, world):
 
     from megamoe_train import get_symm_buffer
 
-    cfg = MegaMoEConfig(num_experts=4, hidden=16, intermediate=8, topk=1, num_max_tokens_per_rank=4, block_m=4, dtype=torch.float32)
+    cfg = MegaMoEConfig(
+        num_experts=4, hidden=16, intermediate=8, topk=1, num_max_tokens_per_rank=4, block_m=4, dtype=torch.float32
+    )
     buf = get_symm_buffer(None, cfg, timeout_s=20)
     sub = dist.new_group([0, 1], backend="gloo")
     with pytest.raises(ValueError, match="different process group"):
@@ -69,8 +79,9 @@ def test_layer_rejects_buffer_of_other_group(rank_pools):
 
 
 def layer_rejects_params_dtype_forward_cannot_take(rank, world):
-    cfg = MegaMoEConfig(num_experts=4, hidden=16, intermediate=8, topk=1, num_max_tokens_per_rank=4, block_m=4,
-                        dtype=torch.float32)
+    cfg = MegaMoEConfig(
+        num_experts=4, hidden=16, intermediate=8, topk=1, num_max_tokens_per_rank=4, block_m=4, dtype=torch.float32
+    )
     with pytest.raises(ValueError, match="^params_dtype"):  # accepted before; the first forward then failed
         MegaMoELayer(cfg, params_dtype=torch.float64)
     assert MegaMoELayer(cfg, params_dtype=torch.bfloat16).w1.dtype == torch.bfloat16

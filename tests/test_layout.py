@@ -36,9 +36,19 @@ def python_layout(cfg: MegaMoEConfig, R: int):
 
 
 CONFIGS = [
-    dict(num_experts=8, hidden=64, intermediate=32, topk=2, num_max_tokens_per_rank=40, block_m=16, dtype=torch.float32),
+    dict(
+        num_experts=8, hidden=64, intermediate=32, topk=2, num_max_tokens_per_rank=40, block_m=16, dtype=torch.float32
+    ),
     dict(num_experts=256, hidden=4096, intermediate=2048, topk=6, num_max_tokens_per_rank=8192, recipe="fp8"),
-    dict(num_experts=128, hidden=2048, intermediate=768, topk=8, num_max_tokens_per_rank=333, recipe="mxfp8_mxfp4", num_shared_experts=1),
+    dict(
+        num_experts=128,
+        hidden=2048,
+        intermediate=768,
+        topk=8,
+        num_max_tokens_per_rank=333,
+        recipe="mxfp8_mxfp4",
+        num_shared_experts=1,
+    ),
     dict(num_experts=6, hidden=24, intermediate=8, topk=3, num_max_tokens_per_rank=1, block_m=1, dtype=torch.float16),
 ]
 

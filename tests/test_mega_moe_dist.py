@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from dense_moe import dense_moe, dense_moe_ranks
+
 from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, transform_weights
 
 TIMEOUT_S = 20  # device-side waits (monitored barriers) of the test buffers
@@ -28,7 +28,11 @@ def make_problem(cfg: MegaMoEConfig, world: int, tokens: list[int], seed: int, r
             idx = torch.full((T, K), -1, dtype=torch.int64)
             idx[:, 0] = E - 1
         else:
-            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+            idx = (
+                torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+                if T
+                else torch.zeros(0, K, dtype=torch.int64)
+            )
             if routing == "masked":
                 idx[torch.rand(T, K, generator=g) < 0.3] = -1
             elif routing == "skewed":  # half of all slots go to expert 0's neighbourhood
@@ -58,8 +62,19 @@ def _tolerance(cfg):
     return 1e-5 if cfg.dtype == torch.float32 else 1e-2  # bf16 rounding of combine rows is ~2e-3
 
 
-def run_against_dense(rank, world, cfg_kwargs, tokens, seed, routing="uniform", repeat=False, backend="auto", tol=None,
-                      dgrad_quant=True, wgrad_quant=True):
+def run_against_dense(
+    rank,
+    world,
+    cfg_kwargs,
+    tokens,
+    seed,
+    routing="uniform",
+    repeat=False,
+    backend="auto",
+    tol=None,
+    dgrad_quant=True,
+    wgrad_quant=True,
+):
     """mega_moe on this rank (on the group's device: CUDA under NCCL) against the dense oracle on CPU
     (dgrad_quant / wgrad_quant=False: against fp32 dgrad inputs / wgrad products even where the
     recipe quantizes them)."""
@@ -181,8 +196,9 @@ def test_fp8_gradients_against_fp32_gradients(rank_pools, recipe):
     unquantized dY); fp8_e4m3_wgrad: dW1 3.8-4.0%, dW2 2.8-2.9%; y is untouched. e4m3's 3
     mantissa bits round an element by ~2.5% rms."""
     cfg = dict(BASE, recipe=recipe, hidden=256, intermediate=256, num_max_tokens_per_rank=64)
-    errors = rank_pools(2).run(run_against_dense, cfg, [64, 51], seed=17, tol=5e-2, dgrad_quant=False,
-                               wgrad_quant=False)
+    errors = rank_pools(2).run(
+        run_against_dense, cfg, [64, 51], seed=17, tol=5e-2, dgrad_quant=False, wgrad_quant=False
+    )
     for err in errors:
         assert err["x"] > 1e-2 and err["w1"] > 1e-2, err  # the gradients really are quantized
         if recipe == "fp8":
@@ -226,7 +242,9 @@ def test_topk_extremes(rank_pools, topk):
 def test_shared_experts_and_clamp(rank_pools):
     cfg = dict(BASE, num_shared_experts=2, shared_intermediate=16, activation_clamp=0.5)
     rank_pools(2).run(run_against_dense, cfg, [40, 21], seed=14, repeat=True)
-    rank_pools(4).run(run_against_dense, dict(cfg, recipe="mxfp8_mxfp4", hidden=64, intermediate=64), [9, 0, 12, 5], seed=15)
+    rank_pools(4).run(
+        run_against_dense, dict(cfg, recipe="mxfp8_mxfp4", hidden=64, intermediate=64), [9, 0, 12, 5], seed=15
+    )
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -266,11 +284,17 @@ def bad_input_then_good(rank, world, case):
         mega_moe(args["x"], args["idx"], args["tw"], args["w1"], args["w2"], buf, prepared_weights=args["prepared"])
     message = str(err.value)
     if rank == bad_rank:
-        expected = {"id_too_large": "topk_idx", "id_negative": "topk_idx", "too_many_tokens": "num_max_tokens_per_rank",
-                    "wrong_dtype": "x: expected dtype", "wrong_idx_dtype": "topk_idx: expected dtype",
-                    "wrong_shape": "w1: expected shape", "wrong_device": "x: expected device",
-                    "prepared_other_recipe": "prepared for recipe 'fp8'",
-                    "prepared_other_experts": f"prepared_weights: {E_l - 1} experts"}[case]
+        expected = {
+            "id_too_large": "topk_idx",
+            "id_negative": "topk_idx",
+            "too_many_tokens": "num_max_tokens_per_rank",
+            "wrong_dtype": "x: expected dtype",
+            "wrong_idx_dtype": "topk_idx: expected dtype",
+            "wrong_shape": "w1: expected shape",
+            "wrong_device": "x: expected device",
+            "prepared_other_recipe": "prepared for recipe 'fp8'",
+            "prepared_other_experts": f"prepared_weights: {E_l - 1} experts",
+        }[case]
         assert expected in message, message
     else:
         assert f"rank(s) [{bad_rank}] rejected" in message, message
@@ -283,8 +307,18 @@ def bad_input_then_good(rank, world, case):
 
 
 @pytest.mark.parametrize(
-    "case", ["id_too_large", "id_negative", "too_many_tokens", "wrong_dtype", "wrong_idx_dtype", "wrong_shape", "wrong_device",
-             "prepared_other_recipe", "prepared_other_experts"]
+    "case",
+    [
+        "id_too_large",
+        "id_negative",
+        "too_many_tokens",
+        "wrong_dtype",
+        "wrong_idx_dtype",
+        "wrong_shape",
+        "wrong_device",
+        "prepared_other_recipe",
+        "prepared_other_experts",
+    ],
 )
 def test_bad_input_fails_everywhere_and_buffer_survives(rank_pools, case):
     rank_pools(2).run(bad_input_then_good, case)
@@ -396,5 +430,9 @@ def test_fused_wgrad_accumulation(rank_pools, world):
     cfg = dict(BASE)
     rank_pools(world).run(fused_wgrad_accumulation, cfg, 31)
     # bf16 weights: the unfused gradient is the fp32 one rounded to bf16
-    rank_pools(world).run(fused_wgrad_accumulation, dict(cfg, recipe="fp8", dtype=torch.bfloat16, hidden=128,
-                                                         intermediate=128, block_m=128), 32, tol=1e-2)
+    rank_pools(world).run(
+        fused_wgrad_accumulation,
+        dict(cfg, recipe="fp8", dtype=torch.bfloat16, hidden=128, intermediate=128, block_m=128),
+        32,
+        tol=1e-2,
+    )

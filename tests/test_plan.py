@@ -27,8 +27,17 @@ def python_plan(ids, owner, E_l, align):
     return pool, ends, counts, recv
 
 
-@pytest.mark.parametrize("R,E,T,K,align,seed", [(1, 4, 9, 2, 4, 0), (2, 8, 33, 3, 8, 1), (4, 16, 20, 4, 16, 2),
-                                                (3, 6, 1, 2, 1, 3), (2, 4, 17, 4, 1, 4), (4, 4, 12, 3, 2, 5)])
+@pytest.mark.parametrize(
+    "R,E,T,K,align,seed",
+    [
+        (1, 4, 9, 2, 4, 0),
+        (2, 8, 33, 3, 8, 1),
+        (4, 16, 20, 4, 16, 2),
+        (3, 6, 1, 2, 1, 3),
+        (2, 4, 17, 4, 1, 4),
+        (4, 4, 12, 3, 2, 5),
+    ],
+)
 def test_plan_matches_python(R, E, T, K, align, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1, E + 2, (R, T, K), generator=g)  # masks, repeats and out-of-range ids
@@ -53,14 +62,18 @@ def test_plan_matches_python(R, E, T, K, align, seed):
             s, t, slot = entry
             assert recv[u] == (s, t) and k == slot
             assert int(plan.recv_rows[u, k]) == p
-        assert (plan.row_recv[len(pool):] == -1).all()
+        assert (plan.row_recv[len(pool) :] == -1).all()
         assert int((plan.recv_rows >= 0).sum()) == sum(counts)  # every slot has exactly one pool row
         blocks = [e for e in range(E_l) for _ in range((ends[e] - (ends[e - 1] if e else 0)) // align)]
         assert plan.block_expert[: len(blocks)].tolist() == blocks
-        assert (plan.block_expert[len(blocks):] == -1).all()
+        assert (plan.block_expert[len(blocks) :] == -1).all()
 
 
 def test_owner_mask():
     idx = torch.tensor([[0, 5], [-1, -1], [3, 2], [7, -1]])
-    assert owner_mask(idx, 4, 2).tolist() == [[True, False, True, False], [False] * 4,
-                                             [False, True, False, False], [False, False, False, True]]
+    assert owner_mask(idx, 4, 2).tolist() == [
+        [True, False, True, False],
+        [False] * 4,
+        [False, True, False, False],
+        [False, False, False, True],
+    ]

@@ -5,14 +5,13 @@ there, one partial row per (token, owner) goes home, and the buffer holds only w
 from __future__ import annotations
 
 import pytest
-import torch
-
 from dense_moe import dense_moe
+from test_mega_moe_dist import BASE, make_problem, rel_err
+
 from megamoe_train import MegaMoEConfig, get_symm_buffer
 from megamoe_train.autograd import MegaMoEFunction
 from megamoe_train.backends.reference import ReferenceExecutor
 from megamoe_train.session import BufferSession
-from test_mega_moe_dist import BASE, make_problem, rel_err
 
 
 class CountingExecutor(ReferenceExecutor):
@@ -48,8 +47,9 @@ def row_traffic(rank, world, routing):
     executor = CountingExecutor()
     x = prob["x"][rank].clone().requires_grad_()
     w1, w2 = prob["w1"][mine].clone().requires_grad_(), prob["w2"][mine].clone().requires_grad_()
-    y = MegaMoEFunction.apply(x, prob["idx"][rank], prob["w"][rank], w1, w2, prob["sw1"], prob["sw2"], buf, executor, None, 0,
-                              False, None)
+    y = MegaMoEFunction.apply(
+        x, prob["idx"][rank], prob["w"][rank], w1, w2, prob["sw1"], prob["sw2"], buf, executor, None, 0, False, None
+    )
     expected = pairs_per_source(prob["idx"], rank, E_l)
     assert executor.reads["x"] == expected  # one row per (token, this owner), from each source
     assert executor.reads["topk_weights"] == expected
@@ -59,11 +59,21 @@ def row_traffic(rank, world, routing):
     y.backward(prob["gy"][rank])
     assert executor.reads == {"grad_y": expected}  # dY pulled once per (token, owner)
     assert executor.partials_pushed == expected  # dX summed per owner before the push
-    y_ref = dense_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], prob["w1"], prob["w2"], cfg, prob["sw1"], prob["sw2"])
+    y_ref = dense_moe(
+        prob["x"][rank], prob["idx"][rank], prob["w"][rank], prob["w1"], prob["w2"], cfg, prob["sw1"], prob["sw2"]
+    )
     if y.numel():
         assert rel_err(y.detach(), y_ref) < 1e-5
     # Only what peers touch lives in the buffer; protocol state lives in its own object.
-    assert set(buf.nbytes_by_region) == {"status", "x", "topk_idx", "topk_weights", "grad_y", "partials", "topk_weight_grads"}
+    assert set(buf.nbytes_by_region) == {
+        "status",
+        "x",
+        "topk_idx",
+        "topk_weights",
+        "grad_y",
+        "partials",
+        "topk_weight_grads",
+    }
     assert buf.regions().partials.shape == (world + 1, cfg.num_max_tokens_per_rank, cfg.hidden)
     assert isinstance(buf.session, BufferSession) and buf.session.call_count >= 1
     return sum(expected)

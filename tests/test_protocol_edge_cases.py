@@ -5,14 +5,13 @@ prepared weights of another width or dtype."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from dense_moe import dense_moe
-from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, transform_weights
 from test_mega_moe_dist import BASE, rel_err
 from test_reliability import _rank_inputs, fail_rank_1_in
+
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, transform_weights
 
 
 def calls_past_int32_phase(rank, world):
@@ -77,8 +76,7 @@ def test_deferred_verdicts_after_the_first_bad_one_are_not_lost(monkeypatch):
     calls that arrived with it must be raised at the next call, not dropped."""
     from types import SimpleNamespace
 
-    from megamoe_train import MegaMoECallMismatchError
-    from megamoe_train import protocol
+    from megamoe_train import MegaMoECallMismatchError, protocol
     from megamoe_train.faults import STATUS_BAD, STATUS_OK
     from megamoe_train.session import BufferSession, PendingVerdict
 
@@ -117,8 +115,9 @@ def publish_fails_on_one_rank(rank, world):
     finally:
         ReferenceExecutor.store_inputs = original
     if rank == 0:
-        assert f"rank 1 failed in call {n} and left the protocol (rank 0 was waiting at barrier 1 of call {n})" in str(err.value), \
-            str(err.value)
+        assert f"rank 1 failed in call {n} and left the protocol (rank 0 was waiting at barrier 1 of call {n})" in str(
+            err.value
+        ), str(err.value)
 
 
 def test_rank_failing_in_its_publish_is_named_with_its_call(rank_pools):

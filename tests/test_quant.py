@@ -261,13 +261,13 @@ def test_non_finite_blocks_become_nan_not_finite_values(recipe, bad):
     x = randn(2, 256, seed=13)
     x[0, 5] = bad
     y = fake_quantize_act(x, recipe)
-    assert torch.isnan(y[0, :recipe.act_block]).all()
+    assert torch.isnan(y[0, : recipe.act_block]).all()
     assert torch.equal(y[:, 128:], fake_quantize_act(x[:, 128:], recipe)) and not torch.isnan(y[1]).any()
     w = randn(256, 256, seed=14)
     w[3, 7] = bad
     rows, cols = recipe.weight_block
     v = dequantize_weight(*quantize_weight(w, recipe), recipe)
-    assert torch.isnan(v[3 // rows * rows:3 // rows * rows + rows, :cols]).all()
+    assert torch.isnan(v[3 // rows * rows : 3 // rows * rows + rows, :cols]).all()
     assert torch.isnan(v).sum() == rows * cols
 
 
@@ -336,7 +336,9 @@ def test_native_gradients_pass_through(recipe):
 
 
 def test_gradient_shape_errors():
-    with pytest.raises(ValueError, match="quantize_grad: last dim 100 is not a multiple of the 'fp8' gradient block 128"):
+    with pytest.raises(
+        ValueError, match="quantize_grad: last dim 100 is not a multiple of the 'fp8' gradient block 128"
+    ):
         quantize_grad(torch.randn(2, 100), FP8)
     data, scales = quantize_grad(randn(2, 256), FP8)
     with pytest.raises(ValueError, match="dequantize_grad: scales must have shape"):
@@ -404,15 +406,21 @@ def test_tokens_t_zero_rows_and_blocks():
     assert torch.equal(scales[:, 2], torch.full((256,), 1e-4) / torch.full((256,), 448.0))
     assert torch.equal(scales[:, 0], values[:128].abs().amax(0) / 448.0)  # zero rows do not touch the scale
     # one expert's 100 rows: blocks from its first row, the last one padded with zero rows
-    assert torch.equal(fake_quantize_tokens(values[:100], FP8_WGRAD), dequantize_tokens_t(data, scales, FP8_WGRAD).t()[:100])
-    assert torch.equal(fake_quantize_tokens(values[:300], FP8_WGRAD), dequantize_tokens_t(data, scales, FP8_WGRAD).t()[:300])
+    assert torch.equal(
+        fake_quantize_tokens(values[:100], FP8_WGRAD), dequantize_tokens_t(data, scales, FP8_WGRAD).t()[:100]
+    )
+    assert torch.equal(
+        fake_quantize_tokens(values[:300], FP8_WGRAD), dequantize_tokens_t(data, scales, FP8_WGRAD).t()[:300]
+    )
 
 
 def test_tokens_t_native_and_errors():
     v = randn(8, 64, seed=23)
     data, scales = quantize_tokens_t(v, BF16)
     assert torch.equal(data, v.t()) and scales is None and torch.equal(fake_quantize_tokens(v, MX), v)
-    with pytest.raises(ValueError, match="quantize_tokens_t: 200 rows are not a multiple of the 'fp8_e4m3_wgrad' wgrad token block 128"):
+    with pytest.raises(
+        ValueError, match="quantize_tokens_t: 200 rows are not a multiple of the 'fp8_e4m3_wgrad' wgrad token block 128"
+    ):
         quantize_tokens_t(torch.randn(200, 128), FP8_WGRAD)
     with pytest.raises(ValueError, match=r"quantize_tokens_t: expected a floating tensor \[P, C\]"):
         quantize_tokens_t(torch.randn(2, 128, 4), FP8_WGRAD)

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-
+from dense_moe import dense_moe
 from rank_pool import RankPool
 from test_mega_moe_dist import BASE, make_problem, rel_err
-from dense_moe import dense_moe
+
 from megamoe_train import MegaMoEConfig, MegaMoEInputError, MegaMoELayer, get_symm_buffer, mega_moe
 
 SHORT_TIMEOUT_S = 2  # the buffers' timeout in the tests where a rank goes missing
@@ -341,8 +341,8 @@ def test_cuda_creation_agreement_names_the_absent_rank_on_every_rank(late):
         out = pool.run(agree, {0: ["cfg"], 1: ["cfg"]}, late, timeout=60)
     finally:
         pool.close(force=True)
-    (waited, elapsed), = out[1 - late]
+    ((waited, elapsed),) = out[1 - late]
     assert f"gave up waiting for rank {late} after {SHORT_TIMEOUT_S}s" in waited, waited
     assert elapsed < SHORT_TIMEOUT_S + 1, elapsed  # its own deadline, not the process group's
-    (came_late, _), = out[late]  # the late rank fails too instead of allocating alone
+    ((came_late, _),) = out[late]  # the late rank fails too instead of allocating alone
     assert "MegaMoEPeerError" in came_late and "arrived after that" in came_late, came_late

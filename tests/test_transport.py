@@ -19,8 +19,9 @@ def test_each_transport_has_the_interface_methods(cls):
 
 
 def cpu_buffer_transport_is_a_transport(rank, world):
-    cfg = MegaMoEConfig(num_experts=4, hidden=32, intermediate=16, topk=2, num_max_tokens_per_rank=8, block_m=8,
-                        dtype=torch.float32)
+    cfg = MegaMoEConfig(
+        num_experts=4, hidden=32, intermediate=16, topk=2, num_max_tokens_per_rank=8, block_m=8, dtype=torch.float32
+    )
     buf = get_symm_buffer(None, cfg, timeout_s=20)
     transport = buf._transport
     ok = isinstance(transport, SharedMemoryPeers) and isinstance(transport, Transport) and len(transport.peers) == world

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from weight_prep_cases import assert_same_bits, check_expert_weights, master_weight
 
 from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
@@ -19,7 +20,6 @@ from megamoe_train.weights import (
     quantize_expert_weights,
     transform_weights,
 )
-from weight_prep_cases import assert_same_bits, check_expert_weights, master_weight
 
 FP8 = RECIPES["fp8"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,7 +33,9 @@ def _has_triton() -> bool:
 
 
 def fp8_config(e, inter, hidden, recipe="fp8"):
-    return MegaMoEConfig(num_experts=e, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe=recipe)
+    return MegaMoEConfig(
+        num_experts=e, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe=recipe
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +66,9 @@ def test_torch_path_dgrad_operands_match_their_definition(dtype):
         assert_same_bits(scales_t, scales.mT.contiguous(), "scales transposed")
     w1_t_value = dequantize_weight(ew.w1_t, ew.w1_t_scales, FP8)
     assert_same_bits(w1_t_value, deinterleave_gate_up(ew.dequantize_w1(), ew.chunk).mT.contiguous(), "dequantized w1_t")
-    assert_same_bits(dequantize_weight(ew.w2_t, ew.w2_t_scales, FP8), ew.dequantize_w2().mT.contiguous(), "dequantized w2_t")
+    assert_same_bits(
+        dequantize_weight(ew.w2_t, ew.w2_t_scales, FP8), ew.dequantize_w2().mT.contiguous(), "dequantized w2_t"
+    )
     # An up-row block lands transposed in columns I.. of w1_t, with the scale of that block.
     assert ew.w1_t_scales[1, 2, I // 128] == ew.w1_scales[1, 1, 2]  # up chunk 0 is interleaved row block 1
 
@@ -100,8 +104,13 @@ def test_kernel_matches_torch_in_triton_interpreter():
     """The kernels on CPU tensors under TRITON_INTERPRET=1, in a process of their own (the
     interpreter is chosen when triton compiles the kernels)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "weight_prep_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "weight_prep_cases.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
@@ -134,7 +143,9 @@ def test_transform_weights_uses_the_kernel_on_gpu(monkeypatch):
     calls = []
     for name in ("quantize_blocks", "dequantize_blocks"):
         real = getattr(triton_weight_prep, name)
-        monkeypatch.setattr(triton_weight_prep, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(
+            triton_weight_prep, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
     E, I, H = 2, 256, 512
     w1 = master_weight(E, 2 * I, H, torch.bfloat16, 21, "cuda")
     w2 = master_weight(E, H, I, torch.bfloat16, 22, "cuda")

@@ -9,8 +9,8 @@ from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import dequantize_weight, quantize_weight, ue8m0_to_float
 from megamoe_train.weights import (
-    ExpertWeights,
     _CACHE,
+    ExpertWeights,
     clear_weight_cache,
     deinterleave_gate_up,
     interleave_gate_up,
@@ -94,7 +94,7 @@ def test_bf16_transform_reads_master_weights_in_place():
 
 def test_fp8_transform_layout():
     w1, w2 = master_weights(seed=2)
-    w1[0, I:I + 128] *= 100  # one up-block far larger than the rest
+    w1[0, I : I + 128] *= 100  # one up-block far larger than the rest
     ew = transform_weights(w1, w2, config("fp8"))
     assert ew.chunk == 128
     assert ew.w1.dtype == torch.float8_e4m3fn and ew.w1.shape == (E, 2 * I, H)
@@ -116,8 +116,10 @@ def test_fp8_dgrad_operands_are_the_forward_blocks_transposed():
     g = torch.Generator().manual_seed(5)
     w1 = torch.randn(E, 2 * inter, hidden, generator=g) * 0.05
     w2 = torch.randn(E, hidden, inter, generator=g) * 0.05
-    w1[1, inter:inter + 128, 128:256] *= 50  # one up-block far larger than the rest
-    cfg = MegaMoEConfig(num_experts=E, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="fp8")
+    w1[1, inter : inter + 128, 128:256] *= 50  # one up-block far larger than the rest
+    cfg = MegaMoEConfig(
+        num_experts=E, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="fp8"
+    )
     ew = transform_weights(w1, w2, cfg)
     fp8 = RECIPES["fp8"]
     assert ew.w1_t.dtype == torch.float8_e4m3fn and ew.w1_t.shape == (E, hidden, 2 * inter) and ew.w1_t.is_contiguous()

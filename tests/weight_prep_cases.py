@@ -8,12 +8,12 @@ from __future__ import annotations
 import sys
 
 import torch
+from poison import poisoned
 
 from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
 from megamoe_train.quant import quantize_weight
 from megamoe_train.weights import deinterleave_gate_up, interleave_gate_up, quantize_expert_weights
-from poison import poisoned
 
 FP8 = RECIPES["fp8"]
 
@@ -48,9 +48,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {list(got.shape)} vs {want.dtype} {list(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype} {list(got.shape)} vs {want.dtype} {list(want.shape)}"
+    )
     diff = _bits(got) != _bits(want)
-    assert not diff.any(), f"{what}: {int(diff.sum())} of {diff.numel()} elements differ, first at {diff.nonzero()[0].tolist()}"
+    assert not diff.any(), (
+        f"{what}: {int(diff.sum())} of {diff.numel()} elements differ, first at {diff.nonzero()[0].tolist()}"
+    )
 
 
 FIELDS = ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "w2_t_scales")
@@ -58,7 +62,9 @@ FIELDS = ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "
 
 def check_expert_weights(e: int, inter: int, hidden: int, dtype: torch.dtype, seed: int, device="cpu") -> None:
     """quantize_expert_weights and compute_copies (bf16, fp32): kernel == torch, every field."""
-    cfg = MegaMoEConfig(num_experts=e, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="fp8")
+    cfg = MegaMoEConfig(
+        num_experts=e, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="fp8"
+    )
     w1 = master_weight(e, 2 * inter, hidden, dtype, seed, device)
     w2 = master_weight(e, hidden, inter, dtype, seed + 1, device)
     got = poisoned(quantize_expert_weights, w1, w2, cfg, use_kernel=True)
@@ -96,7 +102,9 @@ def check_chunk_and_strides(device="cpu") -> None:
     out = poisoned(dequantize_blocks, data, scales, torch.bfloat16, chunk=256)
     from megamoe_train.quant import dequantize_weight
 
-    assert_same_bits(out, deinterleave_gate_up(dequantize_weight(data, scales, FP8), 256).to(torch.bfloat16), "chunk 256 copies")
+    assert_same_bits(
+        out, deinterleave_gate_up(dequantize_weight(data, scales, FP8), 256).to(torch.bfloat16), "chunk 256 copies"
+    )
 
 
 def check_every_rounding(device="cpu") -> None:
@@ -109,8 +117,15 @@ def check_every_rounding(device="cpu") -> None:
     values = codes[~codes.isnan()].unique()
     mids = (values[1:] + values[:-1]) / 2
     up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
-    cand = torch.cat([values, mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
-                      torch.tensor([-0.0, 1e-30, -1e-30, 447.99, -447.99])])
+    cand = torch.cat(
+        [
+            values,
+            mids,
+            torch.nextafter(mids, up),
+            torch.nextafter(mids, down),
+            torch.tensor([-0.0, 1e-30, -1e-30, 447.99, -447.99]),
+        ]
+    )
     cand = cand[cand.abs() <= 448]
     w = torch.zeros(1, 128, 128 * 2)
     w.view(-1)[: cand.numel()] = cand

@@ -46,7 +46,10 @@ BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32, where no expert depth is 
 # W1 2.073 vs 2.195; the switch lies between the measured 512 and 2048).
 BF16_WGRAD_DEEP_ROWS, BF16_WGRAD_DEEP = 320, (5, 1)
 BF16_WGRAD_DEEPER_ROWS, BF16_WGRAD_DEEPER = 1024, (2, 1)
-BF16_WGRAD_STORE_DEFAULT = (2, 4)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
+BF16_WGRAD_STORE_DEFAULT = (
+    2,
+    4,
+)  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
 # Writing fp32 over main_grad, by experts' mean depth (bench_gemm wgrad_acc, 1x H200, session 27):
 # cooperative 128x256 (1) at the 1-GPU proxy's 256 rows (W2 0.505 ms vs 0.560 for 5, W1 0.899 vs
 # 1.099), ping-pong 5 at the 2-GPU proxy's 2048 (0.978 vs 1.024, 1.914 vs 1.991); the switch lies
@@ -90,7 +93,9 @@ def _workspace(kind: str, device: torch.device, groups: int, variant: int, layou
         elif kind == "fp8_wgrad":
             nbytes = _cuda.fp8_wgrad_grouped_gemm_workspace_bytes(groups, variant, device.index)
         elif kind in _BF16_WGRAD_OUTPUT:
-            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(groups, variant, _BF16_WGRAD_OUTPUT[kind], device.index)
+            nbytes = _cuda.bf16_wgrad_grouped_gemm_workspace_bytes(
+                groups, variant, _BF16_WGRAD_OUTPUT[kind], device.index
+            )
         else:
             nbytes = _cuda.bf16_grouped_gemm_workspace_bytes(groups, variant, layout, device.index)
         ws = _WORKSPACES[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -173,21 +178,37 @@ def fp8_grouped_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int | N
     stream = torch.cuda.current_stream(dev)
     ws = _workspace("fp8", dev, G, variant, 0, stream)
     _cuda.fp8_grouped_gemm(
-        a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), out.data_ptr(), group_ends.data_ptr(),
-        G, N, K, variant, swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+        a.data_ptr(),
+        a_scales.data_ptr(),
+        b.data_ptr(),
+        b_scales.data_ptr(),
+        out.data_ptr(),
+        group_ends.data_ptr(),
+        G,
+        N,
+        K,
+        variant,
+        swizzle,
+        ws.data_ptr(),
+        ws.numel(),
+        stream.cuda_stream,
+        dev.index,
     )
     return out
 
 
-def bf16_grouped_gemm(a, b, group_ends, out, b_layout: str = "nk", variant: int | None = None, swizzle: int | None = None):
+def bf16_grouped_gemm(
+    a, b, group_ends, out, b_layout: str = "nk", variant: int | None = None, swizzle: int | None = None
+):
     """a bf16 [M, K]; b bf16 [G, N, K] (b_layout "nk") or [G, K, N] ("kn"); group_ends int32 [G];
     out bf16 [M, N]. Returns out."""
     fn = "bf16_grouped_gemm"
     if b_layout not in B_LAYOUTS:
         raise ValueError(f"{fn}: b_layout must be one of {sorted(B_LAYOUTS)}, got {b_layout!r}")
     if a.dim() != 2 or b.dim() != 3:
-        raise ValueError(f"{fn}: a [M, K] and b [G, N, K] or [G, K, N] expected, got shapes {list(a.shape)} and "
-                         f"{list(b.shape)}")
+        raise ValueError(
+            f"{fn}: a [M, K] and b [G, N, K] or [G, K, N] expected, got shapes {list(a.shape)} and {list(b.shape)}"
+        )
     M, K = a.shape
     G = b.shape[0]
     N = b.shape[1] if b_layout == "nk" else b.shape[2]
@@ -207,14 +228,27 @@ def bf16_grouped_gemm(a, b, group_ends, out, b_layout: str = "nk", variant: int 
     stream = torch.cuda.current_stream(dev)
     ws = _workspace("bf16", dev, G, variant, layout, stream)
     _cuda.bf16_grouped_gemm(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, N, K, layout, variant, swizzle,
-        ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+        a.data_ptr(),
+        b.data_ptr(),
+        out.data_ptr(),
+        group_ends.data_ptr(),
+        G,
+        N,
+        K,
+        layout,
+        variant,
+        swizzle,
+        ws.data_ptr(),
+        ws.numel(),
+        stream.cuda_stream,
+        dev.index,
     )
     return out
 
 
-def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, variant: int | None = None,
-                           swizzle: int | None = None):
+def fp8_wgrad_grouped_gemm(
+    a_t, a_t_scales, b_t, b_t_scales, group_ends, out, variant: int | None = None, swizzle: int | None = None
+):
     """The fp8 recipe's expert weight gradients, one K-grouped GEMM: for each expert g with pool
     rows [s, e) (s = group_ends[g-1] or 0, e = group_ends[g]),
         out[g] = sum over k in [s, e) of (a_t[:, k] * a_t_scales[:, k // 128]) outer
@@ -230,8 +264,10 @@ def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, va
     fn = "fp8_wgrad_grouped_gemm"
     # shapes, dtypes and layout first (testable without a GPU), then the device and the extension
     if a_t.dim() != 2 or b_t.dim() != 2 or group_ends.dim() != 1:
-        raise ValueError(f"{fn}: a_t [M, P], b_t [N, P] and group_ends [G] expected, got shapes "
-                         f"{list(a_t.shape)}, {list(b_t.shape)} and {list(group_ends.shape)}")
+        raise ValueError(
+            f"{fn}: a_t [M, P], b_t [N, P] and group_ends [G] expected, got shapes "
+            f"{list(a_t.shape)}, {list(b_t.shape)} and {list(group_ends.shape)}"
+        )
     (M, P), N, G = a_t.shape, b_t.shape[0], group_ends.shape[0]
     if G == 0:
         raise ValueError(f"{fn}: group_ends is empty (no experts)")
@@ -244,11 +280,26 @@ def fp8_wgrad_grouped_gemm(a_t, a_t_scales, b_t, b_t_scales, group_ends, out, va
     _check(fn, "b_t_scales", b_t_scales, torch.float32, (N, P // SCALE_BLOCK), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
     _check(fn, "out", out, torch.bfloat16, (G, M, N), dev)
-    variant, swizzle, stream, ws = _depth_grouped_launch(fn, "fp8_wgrad", dict(a_t=a_t, b_t=b_t, out=out), G, variant,
-                                                         swizzle)
+    variant, swizzle, stream, ws = _depth_grouped_launch(
+        fn, "fp8_wgrad", dict(a_t=a_t, b_t=b_t, out=out), G, variant, swizzle
+    )
     _cuda.fp8_wgrad_grouped_gemm(
-        a_t.data_ptr(), a_t_scales.data_ptr(), b_t.data_ptr(), b_t_scales.data_ptr(), out.data_ptr(),
-        group_ends.data_ptr(), G, M, N, P, variant, swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+        a_t.data_ptr(),
+        a_t_scales.data_ptr(),
+        b_t.data_ptr(),
+        b_t_scales.data_ptr(),
+        out.data_ptr(),
+        group_ends.data_ptr(),
+        G,
+        M,
+        N,
+        P,
+        variant,
+        swizzle,
+        ws.data_ptr(),
+        ws.numel(),
+        stream.cuda_stream,
+        dev.index,
     )
     return out
 
@@ -276,7 +327,9 @@ def bf16_wgrad_accumulate_config(mean_rows_per_group: float) -> tuple[int, int]:
 
 def bf16_wgrad_store32_config(mean_rows_per_group: float) -> tuple[int, int]:
     """(variant, swizzle) of bf16_wgrad_grouped_gemm into fp32 for experts of this mean depth."""
-    return BF16_WGRAD_STORE32_DEEP if mean_rows_per_group >= BF16_WGRAD_STORE32_DEEP_ROWS else BF16_WGRAD_STORE32_SHALLOW
+    return (
+        BF16_WGRAD_STORE32_DEEP if mean_rows_per_group >= BF16_WGRAD_STORE32_DEEP_ROWS else BF16_WGRAD_STORE32_SHALLOW
+    )
 
 
 def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | None = None, swizzle: int | None = None):
@@ -294,8 +347,10 @@ def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | Non
 
 def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
     if a.dim() != 2 or b.dim() != 2 or group_ends.dim() != 1 or out.dim() != 3:
-        raise ValueError(f"{fn}: a [P, M], b [P, N], group_ends [G] and out [G, M, N] expected, got shapes "
-                         f"{list(a.shape)}, {list(b.shape)}, {list(group_ends.shape)} and {list(out.shape)}")
+        raise ValueError(
+            f"{fn}: a [P, M], b [P, N], group_ends [G] and out [G, M, N] expected, got shapes "
+            f"{list(a.shape)}, {list(b.shape)}, {list(group_ends.shape)} and {list(out.shape)}"
+        )
     (P, M), N, G = a.shape, b.shape[1], group_ends.shape[0]
     if G == 0:
         raise ValueError(f"{fn}: group_ends is empty (no experts)")
@@ -312,8 +367,21 @@ def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
     _check(fn, "out", out, torch.bfloat16 if kind == "bf16_wgrad_store" else torch.float32, (G, M, N), dev)
     variant, swizzle, stream, ws = _depth_grouped_launch(fn, kind, dict(a=a, b=b, out=out), G, variant, swizzle)
     _cuda.bf16_wgrad_grouped_gemm(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), group_ends.data_ptr(), G, M, N, P, _BF16_WGRAD_OUTPUT[kind], variant,
-        swizzle, ws.data_ptr(), ws.numel(), stream.cuda_stream, dev.index,
+        a.data_ptr(),
+        b.data_ptr(),
+        out.data_ptr(),
+        group_ends.data_ptr(),
+        G,
+        M,
+        N,
+        P,
+        _BF16_WGRAD_OUTPUT[kind],
+        variant,
+        swizzle,
+        ws.data_ptr(),
+        ws.numel(),
+        stream.cuda_stream,
+        dev.index,
     )
     return out
 
@@ -349,14 +417,30 @@ def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int = 0)
     out bf16 [P, N]. variant 0: CTA pairs share each A tile by multicast where a tile has an even
     number of 128-column blocks; 1: never (for comparisons). Returns out."""
     fn = "fp8_expert_gemm"
-    P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0)
-    _cuda.expert_gemm(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), group_ends.data_ptr(),
-                      out.data_ptr(), G, P, N, K, variant, torch.cuda.current_stream(dev).cuda_stream, dev.index)
+    P, K, G, N, dev = _fp8_expert_operands(
+        fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0
+    )
+    _cuda.expert_gemm(
+        a.data_ptr(),
+        a_scales.data_ptr(),
+        b.data_ptr(),
+        b_scales.data_ptr(),
+        group_ends.data_ptr(),
+        out.data_ptr(),
+        G,
+        P,
+        N,
+        K,
+        variant,
+        torch.cuda.current_stream(dev).cuda_stream,
+        dev.index,
+    )
     return out
 
 
-def fp8_expert_gemm_swiglu(a, a_scales, b, b_scales, group_ends, row_weights, chunk: int, clamp, pre_act, act,
-                           act_scales, variant: int = 0):
+def fp8_expert_gemm_swiglu(
+    a, a_scales, b, b_scales, group_ends, row_weights, chunk: int, clamp, pre_act, act, act_scales, variant: int = 0
+):
     """The L1 GEMM with SwiGLU fused: pre_act = the product (bf16 [P, 2I], gate/up interleaved in
     chunks of `chunk` as b's rows are), act = e4m3(silu(min(g, c)) * clamp(u, -c, c) * row_weights)
     [P, I] with act_scales fp32 [P, I/128] (one per 1x128 block), for every row of every group.
@@ -370,8 +454,25 @@ def fp8_expert_gemm_swiglu(a, a_scales, b, b_scales, group_ends, row_weights, ch
     _check(fn, "row_weights", row_weights, torch.float32, (P,), dev)
     _check(fn, "act", act, torch.float8_e4m3fn, (P, I), dev)
     _check(fn, "act_scales", act_scales, torch.float32, (P, I // SCALE_BLOCK), dev)
-    _cuda.expert_gemm_swiglu(a.data_ptr(), a_scales.data_ptr(), b.data_ptr(), b_scales.data_ptr(), group_ends.data_ptr(),
-                             pre_act.data_ptr(), row_weights.data_ptr(), act.data_ptr(), act_scales.data_ptr(), G, P, N,
-                             K, chunk, float(clamp or 0.0), clamp is not None, variant,
-                             torch.cuda.current_stream(dev).cuda_stream, dev.index)
+    _cuda.expert_gemm_swiglu(
+        a.data_ptr(),
+        a_scales.data_ptr(),
+        b.data_ptr(),
+        b_scales.data_ptr(),
+        group_ends.data_ptr(),
+        pre_act.data_ptr(),
+        row_weights.data_ptr(),
+        act.data_ptr(),
+        act_scales.data_ptr(),
+        G,
+        P,
+        N,
+        K,
+        chunk,
+        float(clamp or 0.0),
+        clamp is not None,
+        variant,
+        torch.cuda.current_stream(dev).cuda_stream,
+        dev.index,
+    )
     return pre_act, act, act_scales

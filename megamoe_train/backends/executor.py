@@ -55,15 +55,22 @@ class Executor(Protocol):
 
     # ----------------------------------------------------------------- 1. publish (own buffer only)
 
-    def store_inputs(self, cfg: MegaMoEConfig, x: torch.Tensor, data: torch.Tensor,
-                     scales: torch.Tensor | None) -> None:
+    def store_inputs(
+        self, cfg: MegaMoEConfig, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None
+    ) -> None:
         """x [T, H] dtype (this rank's input, T >= 0) into its own buffer as stored: data = the x
         region's rows [:T] (the recipe's storage dtype), scales = x_scales' rows [:T] (fp32
         [T, H / act_block]) or None for an unquantized recipe. Bit for bit quant.quantize_act."""
         ...
 
-    def store_routing(self, cfg: MegaMoEConfig, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                      ids_out: torch.Tensor, weights_out: torch.Tensor) -> torch.Tensor:
+    def store_routing(
+        self,
+        cfg: MegaMoEConfig,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        ids_out: torch.Tensor,
+        weights_out: torch.Tensor,
+    ) -> torch.Tensor:
         """Publish the routing into this rank's own buffer. topk_idx int64 [T, K] (anything: no
         range check before unless checks_ids_on_device is False), topk_weights fp32 [T, K];
         ids_out int32 [T_max, K] and weights_out fp32 [T_max, K] are the whole regions. Writes
@@ -74,16 +81,24 @@ class Executor(Protocol):
 
     # ----------------------------------------------------------------- shared experts (own buffer only)
 
-    def shared_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                       clamp: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def shared_forward(
+        self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, clamp: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense shared-expert MLP of this rank's tokens, as expert_math.shared_forward: x [T, H]
         dtype, w1 [2 I_s, H] in master order [gate; up], w2 [H, I_s]. Returns (out [T, H],
         pre-activation [T, 2 I_s], kept for shared_backward). May run on a side stream (the
         protocol orders it)."""
         ...
 
-    def shared_backward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, clamp: float | None,
-                        grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def shared_backward(
+        self,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        h: torch.Tensor,
+        clamp: float | None,
+        grad_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dx [T, H], dw1 [2 I_s, H], dw2 [H, I_s]) of shared_forward; h its pre-activation,
         grad_out [T, H] dtype."""
         ...
@@ -108,8 +123,9 @@ class Executor(Protocol):
 
     # ----------------------------------------------------------------- 5. expert MLP (local)
 
-    def experts_forward(self, cfg: MegaMoEConfig, weights: ExpertWeights, plan: Plan,
-                        pool: PoolInputs) -> tuple[torch.Tensor, ExpertState]:
+    def experts_forward(
+        self, cfg: MegaMoEConfig, weights: ExpertWeights, plan: Plan, pool: PoolInputs
+    ) -> tuple[torch.Tensor, ExpertState]:
         """L1 (pool rows of expert e times weights.w1[e], gate/up interleaved in chunks of
         weights.chunk), clamp + SwiGLU times the row's topk weight in fp32, the L2 input stored,
         L2. Returns (output rows [P, H] dtype, padding rows anything push_partials ignores,
@@ -118,8 +134,9 @@ class Executor(Protocol):
 
     # ----------------------------------------------------------------- 6. push (writes peers)
 
-    def push_partials(self, buf: SymmBuffer, plan: Plan, rows: torch.Tensor,
-                      row_scalars: torch.Tensor | None = None) -> None:
+    def push_partials(
+        self, buf: SymmBuffer, plan: Plan, rows: torch.Tensor, row_scalars: torch.Tensor | None = None
+    ) -> None:
         """Per received (source, token): the rows [P, H] of its slots here summed in fp32 in
         ascending slot order, rounded to dtype, written into the source's partials[this rank,
         token]; with row_scalars (fp32 [P], backward), each slot's scalar into the source's
@@ -129,8 +146,9 @@ class Executor(Protocol):
 
     # ----------------------------------------------------------------- 7. reduce (own buffer, after the push barrier)
 
-    def routing_masks(self, ids: torch.Tensor, all_ok: torch.Tensor, num_ranks: int,
-                      experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def routing_masks(
+        self, ids: torch.Tensor, all_ok: torch.Tensor, num_ranks: int, experts_per_rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids: this rank's published ids, int32 [T, K] (-1 = no row). Returns (own bool [T, K]:
         the slots that carried a row, partial bool [T, R]: the owners that pushed a partial row
         per token), both all False when all_ok (bool 0-d device tensor) is False."""
@@ -150,8 +168,15 @@ class Executor(Protocol):
         plan. Reads peers: the backward's exchange barrier has passed."""
         ...
 
-    def experts_backward(self, cfg: MegaMoEConfig, weights: ExpertWeights, plan: Plan, state: ExpertState,
-                         pool_grad: PoolGrad, wgrad_targets: tuple[WgradTarget, WgradTarget] | None = None):
+    def experts_backward(
+        self,
+        cfg: MegaMoEConfig,
+        weights: ExpertWeights,
+        plan: Plan,
+        state: ExpertState,
+        pool_grad: PoolGrad,
+        wgrad_targets: tuple[WgradTarget, WgradTarget] | None = None,
+    ):
         """The expert MLP's backward from the forward's state and the pulled dY. Returns (dX rows
         [P, H] dtype, d(topk weight) per pool row fp32 [P], grad_w1 [E_l, 2I, H] in master order
         [gate; up], grad_w2 [E_l, H, I]), the weight gradients in fp32 or dtype. With

@@ -215,8 +215,15 @@ class ReferenceExecutor:
             out_rows[rows] = (a_in @ w2[e].t()).to(cfg.dtype)
         return out_rows, ReferenceExpertState(pool, pre_act)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: ReferenceExpertState, pool_grad: torch.Tensor,
-                         wgrad_targets=None):
+    def experts_backward(
+        self,
+        cfg,
+        weights: ExpertWeights,
+        plan: Plan,
+        state: ReferenceExpertState,
+        pool_grad: torch.Tensor,
+        wgrad_targets=None,
+    ):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
         on the dequantized weights; fc1 and dH in master order [gate; up]. With wgrad_targets
         (w1's, w2's main_grad.WgradTarget) the weight gradients go into them and None is returned

@@ -46,9 +46,8 @@ from ..precision import GPU_EXECUTOR_RECIPES
 from ..quant import dequantize_tokens_t
 from ..symm_buffer import SymmBuffer
 from ..weights import ExpertWeights
-from . import cutlass_gemm
+from . import cutlass_gemm, triton_plan
 from . import triton_kernels as K_
-from . import triton_plan
 
 GROUP_ALIGN = 16  # rows per expert group in the pool where the GEMMs take any group ends
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
@@ -93,6 +92,7 @@ class TritonPoolInputs:
 class TritonPoolGrad:
     """dY's pool rows: as pulled (compute dtype; the W2 wgrad reads them), and with an fp8 dgrad
     also quantized in the same pass (e4m3 + 1x128 scales; the L2 dgrad reads them)."""
+
     rows: torch.Tensor
     q: torch.Tensor | None = None
     q_scales: torch.Tensor | None = None
@@ -126,9 +126,14 @@ def _fused_fp8_forward(cfg, weights: ExpertWeights, device: torch.device) -> boo
     """Whether the fp8 forward runs on our fused expert kernels (1x128 activation blocks and
     128x128 weight blocks, whole 128-row gate/up chunks: what their epilogue quantizes)."""
     recipe = cfg.precision
-    return (_FP8_FORWARD == "fused" and cutlass_gemm.has_expert_gemm(device) and recipe.act_block == 128
-            and tuple(recipe.weight_block) == (128, 128) and weights.chunk % 128 == 0
-            and weights.w1.shape[0] <= 1024)
+    return (
+        _FP8_FORWARD == "fused"
+        and cutlass_gemm.has_expert_gemm(device)
+        and recipe.act_block == 128
+        and tuple(recipe.weight_block) == (128, 128)
+        and weights.chunk % 128 == 0
+        and weights.w1.shape[0] <= 1024
+    )
 
 
 def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
@@ -174,8 +179,12 @@ def _expert_wgrad(cfg, plan: Plan, grad, stored, stored_scales, target=None):
     else:
         inputs = _as_compute(stored, stored_scales, plan.num_rows, cfg.dtype)
         out = None if target is None else target.tensor
-        fusable = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
-                   and cutlass_gemm.takes(grad, inputs, out))
+        fusable = (
+            out is not None
+            and out.dtype == torch.float32
+            and out.is_contiguous()
+            and cutlass_gemm.takes(grad, inputs, out)
+        )
         if fusable:
             depth = cfg.num_max_tokens_per_rank * cfg.topk / plan.expert_ends.shape[0]  # mean rows per expert
             if target.overwrite:  # the stale main_grad is neither read nor zeroed first
@@ -275,8 +284,9 @@ class TritonExecutor:
 
     def build_plan(self, buf: SymmBuffer, all_ok: torch.Tensor, align: int) -> Plan:
         # plan.py's tables on the device, from the ids where every source published them
-        return triton_plan.build_plan_from_buffers(buf.peer_base_ptrs, buf.layout.regions["topk_idx"], all_ok, buf.rank,
-                                                   buf.num_local_experts, align)
+        return triton_plan.build_plan_from_buffers(
+            buf.peer_base_ptrs, buf.layout.regions["topk_idx"], all_ok, buf.rank, buf.num_local_experts, align
+        )
 
     def store_routing(self, cfg, topk_idx, topk_weights, ids_out, weights_out) -> torch.Tensor:
         """The reference's store_routing in one kernel (the verdict raised by an atomic max)."""
@@ -309,11 +319,20 @@ class TritonExecutor:
         cfg, recipe, regions = buf.config, buf.config.precision, buf.layout.regions
         P, dev = plan.pool_rows, buf.device
         x = torch.empty(P, cfg.hidden, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
-        x_scales = torch.empty(P, regions["x_scales"].shape[-1], dtype=torch.float32, device=dev) if recipe.quantized else None
+        x_scales = (
+            torch.empty(P, regions["x_scales"].shape[-1], dtype=torch.float32, device=dev) if recipe.quantized else None
+        )
         row_weights = torch.empty(P, dtype=torch.float32, device=dev)
-        K_.pull_expand(buf.peer_base_ptrs, regions["x"], x, plan,
-                       scales_region=regions["x_scales"] if recipe.quantized else None, scales_pool=x_scales,
-                       weights_region=regions["topk_weights"], row_weights=row_weights)
+        K_.pull_expand(
+            buf.peer_base_ptrs,
+            regions["x"],
+            x,
+            plan,
+            scales_region=regions["x_scales"] if recipe.quantized else None,
+            scales_pool=x_scales,
+            weights_region=regions["topk_weights"],
+            row_weights=row_weights,
+        )
         return TritonPoolInputs(x, x_scales, row_weights)
 
     def pull_grad(self, buf: SymmBuffer, plan: Plan) -> TritonPoolGrad:
@@ -321,10 +340,19 @@ class TritonExecutor:
         if not cfg.precision.quantized_dgrad:
             return TritonPoolGrad(self._pull(buf, "grad_y", plan, cfg.dtype))
         P, H, dev = plan.pool_rows, cfg.hidden, buf.device
-        grad = TritonPoolGrad(torch.empty(P, H, dtype=cfg.dtype, device=dev), torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
-                        torch.empty(P, H // 128, dtype=torch.float32, device=dev))
-        K_.pull_expand(buf.peer_base_ptrs, buf.layout.regions["grad_y"], grad.rows, plan, quant_pool=grad.q,
-                       quant_scales=grad.q_scales)
+        grad = TritonPoolGrad(
+            torch.empty(P, H, dtype=cfg.dtype, device=dev),
+            torch.empty(P, H, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(P, H // 128, dtype=torch.float32, device=dev),
+        )
+        K_.pull_expand(
+            buf.peer_base_ptrs,
+            buf.layout.regions["grad_y"],
+            grad.rows,
+            plan,
+            quant_pool=grad.q,
+            quant_scales=grad.q_scales,
+        )
         return grad
 
     def push_partials(self, buf: SymmBuffer, plan: Plan, rows: torch.Tensor, row_scalars: torch.Tensor | None = None):
@@ -341,12 +369,24 @@ class TritonExecutor:
         recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         act = torch.empty(P, I, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
-        act_scales = torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
+        act_scales = (
+            torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
+        )
         if recipe.quantized and _fused_fp8_forward(cfg, weights, dev):
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-            cutlass_gemm.fp8_expert_gemm_swiglu(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan.expert_ends,
-                                                pool.row_weights, weights.chunk, cfg.activation_clamp, h, act,
-                                                act_scales)
+            cutlass_gemm.fp8_expert_gemm_swiglu(
+                pool.x,
+                pool.x_scales,
+                weights.w1,
+                weights.w1_scales,
+                plan.expert_ends,
+                pool.row_weights,
+                weights.chunk,
+                cfg.activation_clamp,
+                h,
+                act,
+                act_scales,
+            )
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
             cutlass_gemm.fp8_expert_gemm(act, act_scales, weights.w2, weights.w2_scales, plan.expert_ends, out)
             return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
@@ -363,8 +403,15 @@ class TritonExecutor:
             out = _bf16_grouped_gemm(act, weights.w2, plan, transposed=False)
         return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
-    def experts_backward(self, cfg, weights: ExpertWeights, plan: Plan, state: TritonExpertState, pool_grad: TritonPoolGrad,
-                         wgrad_targets=None):
+    def experts_backward(
+        self,
+        cfg,
+        weights: ExpertWeights,
+        plan: Plan,
+        state: TritonExpertState,
+        pool_grad: TritonPoolGrad,
+        wgrad_targets=None,
+    ):
         """pool_grad: pull_grad's; without its quantized rows (q None) an fp8 dgrad quantizes them here."""
         recipe, align = cfg.precision, self.row_align(cfg)
         grad_rows = pool_grad.rows
@@ -382,15 +429,33 @@ class TritonExecutor:
             _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, align)
             grad_h_q = torch.empty(P, 2 * I, dtype=e4m3, device=dev)
             grad_h_scales = torch.empty(P, 2 * I // 128, dtype=torch.float32, device=dev)
-            K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
-                               weights.chunk, cfg.activation_clamp, grad_h_q, grad_h_scales)
+            K_.swiglu_backward(
+                state.pre_act,
+                state.row_weights,
+                grad_act,
+                grad_h,
+                grad_row_w,
+                plan.num_rows,
+                weights.chunk,
+                cfg.activation_clamp,
+                grad_h_q,
+                grad_h_scales,
+            )
             grad_x_rows = torch.empty(P, H, dtype=cfg.dtype, device=dev)
             _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, align)
         else:
             w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
             grad_act = _bf16_grouped_gemm(grad_rows, w2, plan, transposed=True)
-            K_.swiglu_backward(state.pre_act, state.row_weights, grad_act, grad_h, grad_row_w, plan.num_rows,
-                               weights.chunk, cfg.activation_clamp)
+            K_.swiglu_backward(
+                state.pre_act,
+                state.row_weights,
+                grad_act,
+                grad_h,
+                grad_row_w,
+                plan.num_rows,
+                weights.chunk,
+                cfg.activation_clamp,
+            )
             grad_x_rows = _bf16_grouped_gemm(grad_h, w1, plan, transposed=True)
         target_w1, target_w2 = wgrad_targets if wgrad_targets is not None else (None, None)
         grad_w2 = _expert_wgrad(cfg, plan, grad_rows, state.act, state.act_scales, target_w2)

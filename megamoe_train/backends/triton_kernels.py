@@ -30,8 +30,9 @@ _TL_DTYPES = {
 
 
 @triton.jit
-def _store_routing_kernel(ids, weights, ids_out, weights_out, verdict, live, total, num_experts,
-                          STATUS_BAD: tl.constexpr, BLOCK: tl.constexpr):
+def _store_routing_kernel(
+    ids, weights, ids_out, weights_out, verdict, live, total, num_experts, STATUS_BAD: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat (token, slot) index
     m = i < live
     g = tl.load(ids + i, mask=m, other=-1)
@@ -42,15 +43,25 @@ def _store_routing_kernel(ids, weights, ids_out, weights_out, verdict, live, tot
         tl.atomic_max(verdict, STATUS_BAD)
 
 
-def store_routing(topk_idx, topk_weights, ids_out, weights_out, verdict, status_bad: int, num_experts: int,
-                  block: int = 1024):
+def store_routing(
+    topk_idx, topk_weights, ids_out, weights_out, verdict, status_bad: int, num_experts: int, block: int = 1024
+):
     """ids_out[:n] = topk_idx with ids outside [-1, num_experts) as -1, ids_out[n:] = -1,
     weights_out[:n] = topk_weights, and verdict (int32 scalar, set by the caller) raised to
     status_bad if any id was out of range; n = topk_idx.shape[0]. One launch."""
     live, total = topk_idx.numel(), ids_out.numel()
     _store_routing_kernel[(triton.cdiv(total, block),)](
-        topk_idx.contiguous(), topk_weights.contiguous(), ids_out, weights_out, verdict, live, total, num_experts,
-        STATUS_BAD=status_bad, BLOCK=block, num_warps=4,
+        topk_idx.contiguous(),
+        topk_weights.contiguous(),
+        ids_out,
+        weights_out,
+        verdict,
+        live,
+        total,
+        num_experts,
+        STATUS_BAD=status_bad,
+        BLOCK=block,
+        num_warps=4,
     )
 
 
@@ -59,13 +70,37 @@ def store_routing(topk_idx, topk_weights, ids_out, weights_out, verdict, status_
 
 @triton.jit
 def _pull_expand_kernel(
-    peer_bases, region_offset, row_bytes, pool, pool_stride,
-    recv_src, recv_token, recv_rows, num_recv_ptr, row_recv, num_rows_ptr,
-    width, recv_per_prog, rows_per_prog, num_pull_progs,
-    scales_offset, scales_row_bytes, scales_pool, num_scales, weights_offset, row_weights,
-    quant_pool, quant_scales,
-    TOPK: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
-    SCALES: tl.constexpr, SELEM: tl.constexpr, SBLOCK: tl.constexpr, WEIGHTS: tl.constexpr, QUANT: tl.constexpr,
+    peer_bases,
+    region_offset,
+    row_bytes,
+    pool,
+    pool_stride,
+    recv_src,
+    recv_token,
+    recv_rows,
+    num_recv_ptr,
+    row_recv,
+    num_rows_ptr,
+    width,
+    recv_per_prog,
+    rows_per_prog,
+    num_pull_progs,
+    scales_offset,
+    scales_row_bytes,
+    scales_pool,
+    num_scales,
+    weights_offset,
+    row_weights,
+    quant_pool,
+    quant_scales,
+    TOPK: tl.constexpr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALES: tl.constexpr,
+    SELEM: tl.constexpr,
+    SBLOCK: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Programs [0, num_pull_progs): each received row u is read once from rank recv_src[u]
     (row recv_token[u] of the region) and stored into pool row recv_rows[u, k] of every slot k
@@ -98,8 +133,11 @@ def _pull_expand_kernel(
                         ok = dest >= 0
                         tl.store(pool + tl.maximum(dest, 0) * pool_stride + c + qcols, v2, mask=qm & ok)
                         tl.store(quant_pool + tl.maximum(dest, 0) * width + c + qcols, q, mask=qm & ok)
-                        tl.store(quant_scales + tl.maximum(dest, 0) * (width // 128) + sidx, qs,
-                                 mask=(sidx < width // 128) & ok)
+                        tl.store(
+                            quant_scales + tl.maximum(dest, 0) * (width // 128) + sidx,
+                            qs,
+                            mask=(sidx < width // 128) & ok,
+                        )
                 else:
                     m = (c + cols) < width
                     v = tl.load(row + c + cols, mask=m)
@@ -131,17 +169,25 @@ def _pull_expand_kernel(
                     tl.store(pool + tl.cast(p, tl.int64) * pool_stride + c + cols, zeros, mask=m)
                 if SCALES:
                     scols = tl.arange(0, SBLOCK)
-                    tl.store(scales_pool + tl.cast(p, tl.int64) * num_scales + scols,
-                             tl.zeros([SBLOCK], dtype=SELEM), mask=scols < num_scales)
+                    tl.store(
+                        scales_pool + tl.cast(p, tl.int64) * num_scales + scols,
+                        tl.zeros([SBLOCK], dtype=SELEM),
+                        mask=scols < num_scales,
+                    )
                 if WEIGHTS:
                     tl.store(row_weights + p, 0.0)
                 if QUANT:
                     zq, zs = _e4m3_blocks(tl.zeros([QB, 128], dtype=tl.float32))
                     for c in range(0, width, BLOCK):
                         sidx = c // 128 + tl.arange(0, QB)
-                        tl.store(quant_pool + tl.cast(p, tl.int64) * width + c + qcols, zq.to(tl.uint8, bitcast=True),
-                                 mask=(c + qcols) < width)
-                        tl.store(quant_scales + tl.cast(p, tl.int64) * (width // 128) + sidx, zs, mask=sidx < width // 128)
+                        tl.store(
+                            quant_pool + tl.cast(p, tl.int64) * width + c + qcols,
+                            zq.to(tl.uint8, bitcast=True),
+                            mask=(c + qcols) < width,
+                        )
+                        tl.store(
+                            quant_scales + tl.cast(p, tl.int64) * (width // 128) + sidx, zs, mask=sidx < width // 128
+                        )
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -149,8 +195,20 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def pull_expand(peer_bases, region, pool, plan, scales_region=None, scales_pool=None, weights_region=None,
-                row_weights=None, quant_pool=None, quant_scales=None, recv_per_prog: int = 4, rows_per_prog: int = 16):
+def pull_expand(
+    peer_bases,
+    region,
+    pool,
+    plan,
+    scales_region=None,
+    scales_pool=None,
+    weights_region=None,
+    row_weights=None,
+    quant_pool=None,
+    quant_scales=None,
+    recv_per_prog: int = 4,
+    rows_per_prog: int = 16,
+):
     """Pull every received (source, token) row of a symmetric region once and write it into all
     of its pool rows; zero the live pool's padding rows. pool: local [P, width]. Optionally in
     the same pass: the rows' scales (scales_region -> scales_pool [P, width/128], fp8 inputs),
@@ -162,7 +220,9 @@ def pull_expand(peer_bases, region, pool, plan, scales_region=None, scales_pool=
     block = min(triton.next_power_of_2(width), 2048)
     quant = quant_pool is not None
     if quant:
-        assert width % 128 == 0 and block >= 128 and pool.element_size() == 2, "quantized pull: 16-bit rows, width % 128 == 0"
+        assert width % 128 == 0 and block >= 128 and pool.element_size() == 2, (
+            "quantized pull: 16-bit rows, width % 128 == 0"
+        )
         assert quant_pool.shape == pool.shape and quant_pool.is_contiguous() and quant_scales.is_contiguous()
         assert quant_scales.shape == (pool.shape[0], width // 128)
     U, topk = plan.recv_rows.shape
@@ -171,25 +231,62 @@ def pull_expand(peer_bases, region, pool, plan, scales_region=None, scales_pool=
     scales, weights = scales_region is not None, weights_region is not None
     num_scales = scales_pool.shape[1] if scales else 1
     _pull_expand_kernel[grid](
-        peer_bases, region.offset, region.row_bytes, pool, pool.stride(0),
-        plan.recv_src, plan.recv_token, plan.recv_rows, plan.num_recv, plan.row_recv, plan.num_rows,
-        width, recv_per_prog, rows_per_prog, pull_progs,
-        scales_region.offset if scales else 0, scales_region.row_bytes if scales else 0,
-        scales_pool if scales else pool, num_scales,
-        weights_region.offset if weights else 0, row_weights if weights else pool,
-        quant_pool.view(torch.uint8) if quant else pool, quant_scales if quant else pool,
-        TOPK=topk, ELEM=_TL_DTYPES[pool.dtype], BLOCK=block,
-        SCALES=scales, SELEM=_TL_DTYPES[scales_pool.dtype] if scales else tl.float32,
-        SBLOCK=triton.next_power_of_2(num_scales), WEIGHTS=weights, QUANT=quant, num_warps=4,
+        peer_bases,
+        region.offset,
+        region.row_bytes,
+        pool,
+        pool.stride(0),
+        plan.recv_src,
+        plan.recv_token,
+        plan.recv_rows,
+        plan.num_recv,
+        plan.row_recv,
+        plan.num_rows,
+        width,
+        recv_per_prog,
+        rows_per_prog,
+        pull_progs,
+        scales_region.offset if scales else 0,
+        scales_region.row_bytes if scales else 0,
+        scales_pool if scales else pool,
+        num_scales,
+        weights_region.offset if weights else 0,
+        row_weights if weights else pool,
+        quant_pool.view(torch.uint8) if quant else pool,
+        quant_scales if quant else pool,
+        TOPK=topk,
+        ELEM=_TL_DTYPES[pool.dtype],
+        BLOCK=block,
+        SCALES=scales,
+        SELEM=_TL_DTYPES[scales_pool.dtype] if scales else tl.float32,
+        SBLOCK=triton.next_power_of_2(num_scales),
+        WEIGHTS=weights,
+        QUANT=quant,
+        num_warps=4,
     )
 
 
 @triton.jit
 def _push_partials_kernel(
-    peer_bases, region_offset, row_bytes, max_tokens, me,
-    rows, rows_stride, recv_src, recv_token, recv_rows, num_recv_ptr,
-    width, recv_per_prog, scalar_region_offset, scalars,
-    TOPK: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, WITH_SCALAR: tl.constexpr,
+    peer_bases,
+    region_offset,
+    row_bytes,
+    max_tokens,
+    me,
+    rows,
+    rows_stride,
+    recv_src,
+    recv_token,
+    recv_rows,
+    num_recv_ptr,
+    width,
+    recv_per_prog,
+    scalar_region_offset,
+    scalars,
+    TOPK: tl.constexpr,
+    OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WITH_SCALAR: tl.constexpr,
 ):
     """For each received row u: sum over k = 0..K-1 of rows[recv_rows[u, k]] (present slots) in
     fp32, in that order, stored as partials[me, recv_token[u]] on rank recv_src[u]; with
@@ -228,10 +325,26 @@ def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, s
     U, topk = plan.recv_rows.shape
     with_scalar = scalar_region is not None
     _push_partials_kernel[(triton.cdiv(U, recv_per_prog),)](
-        peer_bases, region.offset, region.row_bytes, region.shape[1], me,
-        rows, rows.stride(0), plan.recv_src, plan.recv_token, plan.recv_rows, plan.num_recv,
-        width, recv_per_prog, scalar_region.offset if with_scalar else 0, scalars if with_scalar else rows,
-        TOPK=topk, OUT=_TL_DTYPES[region.dtype], BLOCK=block, WITH_SCALAR=with_scalar, num_warps=4,
+        peer_bases,
+        region.offset,
+        region.row_bytes,
+        region.shape[1],
+        me,
+        rows,
+        rows.stride(0),
+        plan.recv_src,
+        plan.recv_token,
+        plan.recv_rows,
+        plan.num_recv,
+        width,
+        recv_per_prog,
+        scalar_region.offset if with_scalar else 0,
+        scalars if with_scalar else rows,
+        TOPK=topk,
+        OUT=_TL_DTYPES[region.dtype],
+        BLOCK=block,
+        WITH_SCALAR=with_scalar,
+        num_warps=4,
     )
 
 
@@ -287,8 +400,15 @@ def _e4m3_blocks(v):
 
 @triton.jit
 def _quantize_rows_kernel(
-    data, data_stride, out, out_stride, scales, scales_stride, num_rows_ptr,
-    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+    data,
+    data_stride,
+    out,
+    out_stride,
+    scales,
+    scales_stride,
+    num_rows_ptr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """out, scales = e4m3 + one fp32 scale per 1xBLOCK (=128) block of the live rows of data."""
     num_rows = tl.load(num_rows_ptr)
@@ -313,16 +433,34 @@ def quantize_rows(data, out, scales, num_rows):
     assert data.stride(1) == 1 and out.stride(1) == 1 and scales.stride(1) == 1
     grid = (triton.cdiv(rows, 32), width // 128)
     _quantize_rows_kernel[grid](
-        data, data.stride(0), out, out.stride(0), scales, scales.stride(0), num_rows,
-        BLOCK_R=32, BLOCK=128, num_warps=4,
+        data,
+        data.stride(0),
+        out,
+        out.stride(0),
+        scales,
+        scales.stride(0),
+        num_rows,
+        BLOCK_R=32,
+        BLOCK=128,
+        num_warps=4,
     )
 
 
 @triton.jit
 def _quantize_tokens_t_kernel(
-    src, src_stride, src_scales, src_scales_stride, row_slot, num_rows_ptr,
-    out, out_stride, out_scales, out_scales_stride,
-    SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    src,
+    src_stride,
+    src_scales,
+    src_scales_stride,
+    row_slot,
+    num_rows_ptr,
+    out,
+    out_stride,
+    out_scales,
+    out_scales_stride,
+    SCALED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One (BLOCK_T = 128-row block, BLOCK_C-column tile): src rows (dequantized with their 1x128
     scales along C if SCALED; padding rows, row_slot < 0, read as zero) -> e4m3 out[c, rows] and
@@ -360,9 +498,20 @@ def quantize_tokens_t(src, src_scales, row_slot, num_rows, out, out_scales, bloc
         assert src_scales.shape == (rows, width // 128) and src_scales.stride(1) == 1
     grid = (rows // 128, width // block_c)
     _quantize_tokens_t_kernel[grid](
-        src, src.stride(0), src_scales if scaled else src, src_scales.stride(0) if scaled else 0, row_slot, num_rows,
-        out, out.stride(0), out_scales, out_scales.stride(0),
-        SCALED=scaled, BLOCK_T=128, BLOCK_C=block_c, num_warps=num_warps,
+        src,
+        src.stride(0),
+        src_scales if scaled else src,
+        src_scales.stride(0) if scaled else 0,
+        row_slot,
+        num_rows,
+        out,
+        out.stride(0),
+        out_scales,
+        out_scales.stride(0),
+        SCALED=scaled,
+        BLOCK_T=128,
+        BLOCK_C=block_c,
+        num_warps=num_warps,
     )
 
 
@@ -378,10 +527,21 @@ def _gate_up_cols(j, CHUNK: tl.constexpr):
 
 @triton.jit
 def _swiglu_forward_kernel(
-    h, h_stride, row_weight, act, act_stride, act_scales, scales_stride, num_rows_ptr,
-    inter, clamp,
-    CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, QUANT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    h,
+    h_stride,
+    row_weight,
+    act,
+    act_stride,
+    act_scales,
+    scales_stride,
+    num_rows_ptr,
+    inter,
+    clamp,
+    CHUNK: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """act = silu(min(g, c)) * clamp(u, -c, c) * w_row; with QUANT, e4m3 + one fp32 scale per
     BLOCK_C (=128) columns of a row, as quant.quantize_act."""
@@ -408,8 +568,9 @@ def _swiglu_forward_kernel(
         tl.store(act + rows[:, None] * act_stride + j[None, :], a.to(act.dtype.element_ty), mask=rmask[:, None])
 
 
-def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None, block_r: int = 32,
-                   num_warps: int = 4):
+def swiglu_forward(
+    h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None, block_r: int = 32, num_warps: int = 4
+):
     """Fused clamp + SwiGLU + topk weight (+ e4m3 requantization) over the live pool rows.
     block_r / num_warps: rows per program and its warps (8-32 rows, 4-8 warps measure within noise
     of each other at S1: benchmarks/bench_row_kernels.py)."""
@@ -418,21 +579,47 @@ def swiglu_forward(h, row_weight, act, act_scales, num_rows, chunk: int, clamp: 
     assert inter % block_c == 0, "intermediate size must be a multiple of 128"
     grid = (triton.cdiv(rows, block_r), inter // block_c)
     _swiglu_forward_kernel[grid](
-        h, h.stride(0), row_weight, act, act.stride(0),
+        h,
+        h.stride(0),
+        row_weight,
+        act,
+        act.stride(0),
         act_scales if act_scales is not None else row_weight,
-        act_scales.stride(0) if act_scales is not None else 0, num_rows,
-        inter, float(clamp or 0.0),
-        CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=act_scales is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        act_scales.stride(0) if act_scales is not None else 0,
+        num_rows,
+        inter,
+        float(clamp or 0.0),
+        CHUNK=chunk,
+        HAS_CLAMP=clamp is not None,
+        QUANT=act_scales is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=num_warps,
     )
 
 
 @triton.jit
 def _swiglu_backward_kernel(
-    h, h_stride, row_weight, grad_act, ga_stride, grad_h, gh_stride, grad_weight, num_rows_ptr,
-    grad_h_q, ghq_stride, grad_h_scales, ghs_stride,
-    inter, clamp,
-    CHUNK: tl.constexpr, HAS_CLAMP: tl.constexpr, QUANT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    h,
+    h_stride,
+    row_weight,
+    grad_act,
+    ga_stride,
+    grad_h,
+    gh_stride,
+    grad_weight,
+    num_rows_ptr,
+    grad_h_q,
+    ghq_stride,
+    grad_h_scales,
+    ghs_stride,
+    inter,
+    clamp,
+    CHUNK: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """From dL/d(act) with act = s * w, s = silu(g') * u': dL/dh and dL/dw per row. h is read
     interleaved (forward's layout); dL/dh is written in master order [gate | up], so the weight
@@ -481,8 +668,20 @@ def _swiglu_backward_kernel(
     tl.store(grad_weight + rows, dw, mask=rmask)
 
 
-def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chunk: int, clamp: float | None,
-                    grad_h_q=None, grad_h_scales=None, block_r: int = 8, num_warps: int = 4):
+def swiglu_backward(
+    h,
+    row_weight,
+    grad_act,
+    grad_h,
+    grad_weight,
+    num_rows,
+    chunk: int,
+    clamp: float | None,
+    grad_h_q=None,
+    grad_h_scales=None,
+    block_r: int = 8,
+    num_warps: int = 4,
+):
     """SwiGLU + topk weight backward over the live rows: grad_h [P, 2I] master order (compute dtype),
     d(topk weight) per row fp32; with grad_h_q / grad_h_scales also the e4m3 dH [P, 2I] and its
     fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad. block_r / num_warps: rows per program and
@@ -495,12 +694,27 @@ def swiglu_backward(h, row_weight, grad_act, grad_h, grad_weight, num_rows, chun
         assert grad_h_q.stride(1) == 1 and grad_h_scales.stride(1) == 1
     grid = (triton.cdiv(rows, block_r),)
     _swiglu_backward_kernel[grid](
-        h, h.stride(0), row_weight, grad_act, grad_act.stride(0), grad_h, grad_h.stride(0), grad_weight,
+        h,
+        h.stride(0),
+        row_weight,
+        grad_act,
+        grad_act.stride(0),
+        grad_h,
+        grad_h.stride(0),
+        grad_weight,
         num_rows,
-        grad_h_q if quant else grad_h, grad_h_q.stride(0) if quant else 0,
-        grad_h_scales if quant else grad_weight, grad_h_scales.stride(0) if quant else 0,
-        inter, float(clamp or 0.0),
-        CHUNK=chunk, HAS_CLAMP=clamp is not None, QUANT=quant, BLOCK_R=block_r, BLOCK_C=128, num_warps=num_warps,
+        grad_h_q if quant else grad_h,
+        grad_h_q.stride(0) if quant else 0,
+        grad_h_scales if quant else grad_weight,
+        grad_h_scales.stride(0) if quant else 0,
+        inter,
+        float(clamp or 0.0),
+        CHUNK=chunk,
+        HAS_CLAMP=clamp is not None,
+        QUANT=quant,
+        BLOCK_R=block_r,
+        BLOCK_C=128,
+        num_warps=num_warps,
     )
 
 
@@ -516,7 +730,9 @@ def _dequantize_rows_kernel(data, scales, out, num_rows_ptr, width, BLOCK_R: tl.
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(data + rows[:, None] * width + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     sc = tl.load(scales + rows * (width // BLOCK) + tl.program_id(1), mask=rmask, other=0.0)
-    tl.store(out + rows[:, None] * width + cols[None, :], (v * sc[:, None]).to(out.dtype.element_ty), mask=rmask[:, None])
+    tl.store(
+        out + rows[:, None] * width + cols[None, :], (v * sc[:, None]).to(out.dtype.element_ty), mask=rmask[:, None]
+    )
 
 
 def dequantize_rows(data, scales, out, num_rows):
@@ -530,8 +746,19 @@ def dequantize_rows(data, scales, out, num_rows):
 
 
 @triton.jit
-def _routing_masks_kernel(ids, ok, own, partial, T, experts_per_rank, num_ranks,
-                          K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, BLOCK_T: tl.constexpr):
+def _routing_masks_kernel(
+    ids,
+    ok,
+    own,
+    partial,
+    T,
+    experts_per_rank,
+    num_ranks,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    RP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """own[t, k] = ids[t, k] >= 0 and the call's ok flag; partial[t, r] = some slot of t carried
     a row to an expert of rank r (the owners that pushed a partial row). ids are as published
     (out-of-range ones already -1)."""
@@ -545,8 +772,11 @@ def _routing_masks_kernel(ids, ok, own, partial, T, experts_per_rank, num_ranks,
     ranks = tl.arange(0, RP)
     to_rank = carried[:, :, None] & ((g // experts_per_rank)[:, :, None] == ranks[None, None, :])
     pushed = tl.max(to_rank.to(tl.int32), axis=1)
-    tl.store(partial + rows[:, None].to(tl.int64) * num_ranks + ranks[None, :], pushed.to(tl.uint8),
-             mask=live[:, None] & (ranks[None, :] < num_ranks))
+    tl.store(
+        partial + rows[:, None].to(tl.int64) * num_ranks + ranks[None, :],
+        pushed.to(tl.uint8),
+        mask=live[:, None] & (ranks[None, :] < num_ranks),
+    )
 
 
 def routing_masks(ids, ok, num_ranks: int, experts_per_rank: int):
@@ -557,16 +787,34 @@ def routing_masks(ids, ok, num_ranks: int, experts_per_rank: int):
     partial = torch.empty(T, num_ranks, dtype=torch.bool, device=ids.device)
     if T:
         _routing_masks_kernel[(triton.cdiv(T, 64),)](
-            ids, ok, own.view(torch.uint8), partial.view(torch.uint8), T, experts_per_rank, num_ranks,
-            K=K, KP=triton.next_power_of_2(K), RP=triton.next_power_of_2(num_ranks), BLOCK_T=64, num_warps=4,
+            ids,
+            ok,
+            own.view(torch.uint8),
+            partial.view(torch.uint8),
+            T,
+            experts_per_rank,
+            num_ranks,
+            K=K,
+            KP=triton.next_power_of_2(K),
+            RP=triton.next_power_of_2(num_ranks),
+            BLOCK_T=64,
+            num_warps=4,
         )
     return own, partial
 
 
 @triton.jit
 def _reduce_partials_kernel(
-    partials, part_stride, mask, out, T, H, num_ranks,
-    HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    partials,
+    part_stride,
+    mask,
+    out,
+    T,
+    H,
+    num_ranks,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum over owners r = 0..R-1 of partials[r, t] where mask[t, r] (+ partials[R, t]),
     in fp32, in this fixed order. Unset rows are never read, so stale or poisoned rows cannot leak."""
@@ -603,8 +851,17 @@ def reduce_partials(partials, mask, num_tokens: int, has_shared: bool, out_dtype
     assert H % 128 == 0
     grid = (triton.cdiv(num_tokens, 16), H // 128)
     _reduce_partials_kernel[grid](
-        partials, partials.stride(0), _as_bytes(mask), out, num_tokens, H, num_ranks,
-        HAS_SHARED=has_shared, BLOCK_T=16, BLOCK_H=128, num_warps=4,
+        partials,
+        partials.stride(0),
+        _as_bytes(mask),
+        out,
+        num_tokens,
+        H,
+        num_ranks,
+        HAS_SHARED=has_shared,
+        BLOCK_T=16,
+        BLOCK_H=128,
+        num_warps=4,
     )
     return out
 
@@ -614,12 +871,27 @@ def reduce_partials(partials, mask, num_tokens: int, has_shared: bool, out_dtype
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a, a_scales, b, b_scales, c, block_expert,
-    N, K,
-    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    a,
+    a_scales,
+    b,
+    b_scales,
+    c,
+    block_expert,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_cm,
     num_m_blocks,
-    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """C[m, :] = A[m, :] @ B[e]^T for the rows of every BLOCK_M block, e = block_expert[block]
     (-1: idle block). With SCALED, A is e4m3 with one fp32 scale per 1x128 and B e4m3 with one
@@ -654,9 +926,19 @@ def _grouped_gemm_kernel(
     tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c.dtype.element_ty))
 
 
-def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m: int = 128,
-                 block_n: int | None = None, num_stages: int | None = None,
-                 num_warps: int = 8, group_m: int = 16):
+def grouped_gemm(
+    a,
+    b,
+    block_expert,
+    out,
+    a_scales=None,
+    b_scales=None,
+    block_m: int = 128,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+    num_warps: int = 8,
+    group_m: int = 16,
+):
     """out[rows of block i] = a[rows] @ b[block_expert[i]]^T for every block_m-row block.
 
     a [M, K] (bf16, or e4m3 with a_scales [M, K/128] fp32), b [E, N, K] (bf16, or e4m3 with
@@ -672,12 +954,28 @@ def grouped_gemm(a, b, block_expert, out, a_scales=None, b_scales=None, block_m:
     num_m_blocks = M // block_m
     grid = (num_m_blocks * (N // block_n),)
     _grouped_gemm_kernel[grid](
-        a, a_scales if scaled else a, b, b_scales if scaled else b, out, block_expert,
-        N, K,
-        a.stride(0), a_scales.stride(0) if scaled else 0, b.stride(0), b.stride(1),
-        b_scales.stride(0) if scaled else 0, b_scales.stride(1) if scaled else 0, out.stride(0),
+        a,
+        a_scales if scaled else a,
+        b,
+        b_scales if scaled else b,
+        out,
+        block_expert,
+        N,
+        K,
+        a.stride(0),
+        a_scales.stride(0) if scaled else 0,
+        b.stride(0),
+        b.stride(1),
+        b_scales.stride(0) if scaled else 0,
+        b_scales.stride(1) if scaled else 0,
+        out.stride(0),
         num_m_blocks,
-        SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages or 4,
+        SCALED=scaled,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        num_warps=num_warps,
+        num_stages=num_stages or 4,
     )
     return out

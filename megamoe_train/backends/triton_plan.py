@@ -31,8 +31,9 @@ CHUNK = 16  # (source, token) pairs per program of the count and place kernels
 
 
 @triton.jit
-def _local_experts(src_bases, ids_offset, ok, chunk, num_pairs, T, owner, E,
-                   K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
+def _local_experts(
+    src_bases, ids_offset, ok, chunk, num_pairs, T, owner, E, K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr
+):
     """Local expert of each slot of one chunk, [CP, KP] (E: no row here), and the pair index.
     Pair s * T + t reads source s's ids [T, K] (int32) at src_bases[s] + ids_offset; a call
     whose ok flag is False routes nothing."""
@@ -50,8 +51,23 @@ def _local_experts(src_bases, ids_offset, ok, chunk, num_pairs, T, owner, E,
 
 @triton.jit
 def _plan_count_kernel(
-    src_bases, ids_offset, ok, num_pairs, T, owner, E, counts, pair_counts, fill, fill_len, fill_per_prog,
-    K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    src_bases,
+    ids_offset,
+    ok,
+    num_pairs,
+    T,
+    owner,
+    E,
+    counts,
+    pair_counts,
+    fill,
+    fill_len,
+    fill_per_prog,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    CP: tl.constexpr,
+    NB: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0)
     e, _ = _local_experts(src_bases, ids_offset, ok, c, num_pairs, T, owner, E, K, KP, CP)
@@ -67,8 +83,9 @@ def _plan_count_kernel(
 
 
 @triton.jit
-def _plan_scan_kernel(counts, pair_counts, chunk_base, pair_base, totals, num_chunks, E,
-                      NB: tl.constexpr, TILE: tl.constexpr):
+def _plan_scan_kernel(
+    counts, pair_counts, chunk_base, pair_base, totals, num_chunks, E, NB: tl.constexpr, TILE: tl.constexpr
+):
     """Program e < E: exclusive prefix of counts[:, e] over the chunks, total into totals[e].
     Program E: the same for pair_counts (total: the received-row count)."""
     e = tl.program_id(0)
@@ -91,10 +108,35 @@ def _plan_scan_kernel(counts, pair_counts, chunk_base, pair_base, totals, num_ch
 
 @triton.jit
 def _plan_place_kernel(
-    src_bases, ids_offset, ok, num_pairs, T, owner, E, align, chunk_base, pair_base, totals, starts_scratch,
-    row_recv, row_slot, recv_src, recv_token, recv_rows, num_recv, num_rows, expert_ends, expert_counts,
-    block_expert, num_blocks, blocks_per_prog,
-    K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr,
+    src_bases,
+    ids_offset,
+    ok,
+    num_pairs,
+    T,
+    owner,
+    E,
+    align,
+    chunk_base,
+    pair_base,
+    totals,
+    starts_scratch,
+    row_recv,
+    row_slot,
+    recv_src,
+    recv_token,
+    recv_rows,
+    num_recv,
+    num_rows,
+    expert_ends,
+    expert_counts,
+    block_expert,
+    num_blocks,
+    blocks_per_prog,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    CP: tl.constexpr,
+    NB: tl.constexpr,
+    BB: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, NB)
@@ -128,8 +170,11 @@ def _plan_place_kernel(
     live = pair_here > 0
     tl.store(recv_src + u, pairs // T, mask=live)
     tl.store(recv_token + u, pairs % T, mask=live)
-    tl.store(recv_rows + u[:, None].to(tl.int64) * K + ks[None, :], tl.where(here, row, -1),
-             mask=live[:, None] & (ks[None, :] < K))
+    tl.store(
+        recv_rows + u[:, None].to(tl.int64) * K + ks[None, :],
+        tl.where(here, row, -1),
+        mask=live[:, None] & (ks[None, :] < K),
+    )
 
     # expert tables (program 0) and this program's share of the block -> expert table
     if c == 0:
@@ -141,7 +186,11 @@ def _plan_place_kernel(
     for off in range(0, blocks_per_prog, BB):
         b = b0 + off + tl.arange(0, BB)
         after = tl.sum(((ends[None, :] <= b[:, None] * align) & in_range[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert + b, tl.where(after < E, after, -1), mask=(b < num_blocks) & (off + tl.arange(0, BB) < blocks_per_prog))
+        tl.store(
+            block_expert + b,
+            tl.where(after < E, after, -1),
+            mask=(b < num_blocks) & (off + tl.arange(0, BB) < blocks_per_prog),
+        )
 
 
 def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int) -> Plan:
@@ -153,14 +202,16 @@ def build_plan(ids: torch.Tensor, owner: int, experts_per_rank: int, align: int)
     return _build(bases, 0, ok, R, T, K, owner, experts_per_rank, align, ids.device)
 
 
-def build_plan_from_buffers(peer_bases: torch.Tensor, ids_region, ok: torch.Tensor, owner: int, experts_per_rank: int,
-                            align: int) -> Plan:
+def build_plan_from_buffers(
+    peer_bases: torch.Tensor, ids_region, ok: torch.Tensor, owner: int, experts_per_rank: int, align: int
+) -> Plan:
     """The same from every source's published ids where they lie (region `ids_region`, int32
     [T, K], of each rank's symmetric buffer; peer_bases: their base addresses): no gathered copy
     of the ids. ok (bool device scalar) False: the call routes nothing (empty tables)."""
     T, K = ids_region.shape
-    return _build(peer_bases, ids_region.offset, ok, peer_bases.shape[0], T, K, owner, experts_per_rank, align,
-                  peer_bases.device)
+    return _build(
+        peer_bases, ids_region.offset, ok, peer_bases.shape[0], T, K, owner, experts_per_rank, align, peer_bases.device
+    )
 
 
 def _build(src_bases, ids_offset: int, ok, R: int, T: int, K: int, owner: int, E: int, align: int, dev) -> Plan:
@@ -176,26 +227,86 @@ def _build(src_bases, ids_offset: int, ok, R: int, T: int, K: int, owner: int, E
     row_recv, row_slot, recv_src, recv_token, recv_rows = filled.split(filled_sizes)
     recv_rows = recv_rows.view(num_pairs, K)
     scratch_sizes = [num_chunks * NB, num_chunks * NB, num_chunks, num_chunks, NB, 1, 1, NB, E, num_blocks]
-    (counts, chunk_base, pair_counts, pair_base, totals, num_recv, num_rows, starts_scratch, expert_ends,
-     block_expert) = torch.empty(sum(scratch_sizes), dtype=torch.int32, device=dev).split(scratch_sizes)
+    (
+        counts,
+        chunk_base,
+        pair_counts,
+        pair_base,
+        totals,
+        num_recv,
+        num_rows,
+        starts_scratch,
+        expert_ends,
+        block_expert,
+    ) = torch.empty(sum(scratch_sizes), dtype=torch.int32, device=dev).split(scratch_sizes)
     expert_counts = torch.empty(E, dtype=torch.int64, device=dev)
 
     fill_per_prog = triton.cdiv(filled.numel(), num_chunks)
     _plan_count_kernel[(num_chunks,)](
-        src_bases, ids_offset, ok, num_pairs, T, owner, E, counts, pair_counts, filled, filled.numel(), fill_per_prog,
-        K=K, KP=KP, CP=CHUNK, NB=NB, FILL_BLOCK=1024, num_warps=4,
+        src_bases,
+        ids_offset,
+        ok,
+        num_pairs,
+        T,
+        owner,
+        E,
+        counts,
+        pair_counts,
+        filled,
+        filled.numel(),
+        fill_per_prog,
+        K=K,
+        KP=KP,
+        CP=CHUNK,
+        NB=NB,
+        FILL_BLOCK=1024,
+        num_warps=4,
     )
-    _plan_scan_kernel[(E + 1,)](counts, pair_counts, chunk_base, pair_base, totals, num_chunks, E,
-                                NB=NB, TILE=1024, num_warps=4)
+    _plan_scan_kernel[(E + 1,)](
+        counts, pair_counts, chunk_base, pair_base, totals, num_chunks, E, NB=NB, TILE=1024, num_warps=4
+    )
     blocks_per_prog = triton.cdiv(num_blocks, num_chunks)
     _plan_place_kernel[(num_chunks,)](
-        src_bases, ids_offset, ok, num_pairs, T, owner, E, align, chunk_base, pair_base, totals, starts_scratch,
-        row_recv, row_slot, recv_src, recv_token, recv_rows, num_recv, num_rows, expert_ends, expert_counts,
-        block_expert, num_blocks, blocks_per_prog,
-        K=K, KP=KP, CP=CHUNK, NB=NB, BB=64, num_warps=4,
+        src_bases,
+        ids_offset,
+        ok,
+        num_pairs,
+        T,
+        owner,
+        E,
+        align,
+        chunk_base,
+        pair_base,
+        totals,
+        starts_scratch,
+        row_recv,
+        row_slot,
+        recv_src,
+        recv_token,
+        recv_rows,
+        num_recv,
+        num_rows,
+        expert_ends,
+        expert_counts,
+        block_expert,
+        num_blocks,
+        blocks_per_prog,
+        K=K,
+        KP=KP,
+        CP=CHUNK,
+        NB=NB,
+        BB=64,
+        num_warps=4,
     )
     return Plan(
-        num_recv=num_recv, recv_src=recv_src, recv_token=recv_token, recv_rows=recv_rows, num_rows=num_rows,
-        row_recv=row_recv, row_slot=row_slot, block_expert=block_expert, expert_ends=expert_ends,
+        num_recv=num_recv,
+        recv_src=recv_src,
+        recv_token=recv_token,
+        recv_rows=recv_rows,
+        num_rows=num_rows,
+        row_recv=row_recv,
+        row_slot=row_slot,
+        block_expert=block_expert,
+        expert_ends=expert_ends,
         expert_counts=expert_counts,
     )

@@ -143,10 +143,22 @@ def _block_ids(N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _quantize_blocks_kernel(
-    src, stride_e, stride_n, stride_k,
-    data, scales, data_t, scales_t,
-    N, K, half_blocks, chunk_blocks,
-    GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_CAST: tl.constexpr,
+    src,
+    stride_e,
+    stride_n,
+    stride_k,
+    data,
+    scales,
+    data_t,
+    scales_t,
+    N,
+    K,
+    half_blocks,
+    chunk_blocks,
+    GATE_UP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """One program per weight block: read it, write it quantized twice (kernel layout, transposed
@@ -189,17 +201,26 @@ def _quantize_blocks_kernel(
 def _quantize_values(x, scale, recip, SOFT_CAST: tl.constexpr):
     """x / scale (triton_kernels.divide_rn: why not div_rn), clamped to +-448, as e4m3 bits."""
     y = divide_rn(x, scale, recip)
-    y = tl.minimum(tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(
+        tl.maximum(y, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL
+    )
     return _e4m3_bits(y, SOFT_CAST)
 
 
 @triton.jit
 def _dequantize_blocks_kernel(
-    data, scales, out,
-    N, K, half_blocks, chunk_blocks,
-    GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BF16: tl.constexpr, SOFT_CAST: tl.constexpr,
+    data,
+    scales,
+    out,
+    N,
+    K,
+    half_blocks,
+    chunk_blocks,
+    GATE_UP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
 ):
     """One program per block of the master-order output: read its kernel-layout block, multiply
     by the block scale in float32, convert."""
@@ -221,8 +242,10 @@ def _gate_up_blocks(n: int, block_n: int, chunk: int | None) -> tuple[int, int]:
     if chunk is None:
         return 1, 1
     if n % 2 or (n // 2) % chunk or chunk % block_n:
-        raise ValueError(f"gate/up rows: {n} must be 2 * I with I a multiple of chunk={chunk}, "
-                         f"itself a multiple of the block rows {block_n}")
+        raise ValueError(
+            f"gate/up rows: {n} must be 2 * I with I a multiple of chunk={chunk}, "
+            f"itself a multiple of the block rows {block_n}"
+        )
     return n // 2 // block_n, chunk // block_n
 
 
@@ -234,12 +257,19 @@ def _check_tiling(name: str, shape: torch.Size, device: torch.device, block: tup
     if shape[1] % block[0] or shape[2] % block[1]:
         raise ValueError(f"{name}: shape {list(shape)} does not tile into {block} blocks")
     if not supports(device):
-        raise ValueError(f"{name}: the weight-prep kernels need a CUDA sm89+ tensor (or a CPU one under "
-                         f"TRITON_INTERPRET=1), got {device}")
+        raise ValueError(
+            f"{name}: the weight-prep kernels need a CUDA sm89+ tensor (or a CPU one under "
+            f"TRITON_INTERPRET=1), got {device}"
+        )
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk: int | None = None,
-                    num_warps: int = 8, rows_per_step: int | None = 64):
+def quantize_blocks(
+    w: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    chunk: int | None = None,
+    num_warps: int = 8,
+    rows_per_step: int | None = 64,
+):
     """Quantize w [E, N, K] to e4m3 with fp32 scales per `block` (rows, cols) in one pass.
 
     Returns (data, scales, data_t, scales_t): data [E, N, K] e4m3 and scales [E, N/bn, K/bk] in
@@ -268,16 +298,34 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), chunk:
     scales_t = torch.empty(E, K // block_k, N // block_n, dtype=torch.float32, device=w.device)
     grid = (E * (N // block_n) * (K // block_k),)
     _quantize_blocks_kernel[grid](
-        w, *w.stride(), data.view(torch.uint8), scales, data_t.view(torch.uint8), scales_t,
-        N, K, half_blocks, chunk_blocks,
-        GATE_UP=chunk is not None, BLOCK_N=block_n, BLOCK_K=block_k, SOFT_CAST=w.device.type == "cpu",
-        ROWS=rows, num_warps=num_warps,
+        w,
+        *w.stride(),
+        data.view(torch.uint8),
+        scales,
+        data_t.view(torch.uint8),
+        scales_t,
+        N,
+        K,
+        half_blocks,
+        chunk_blocks,
+        GATE_UP=chunk is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SOFT_CAST=w.device.type == "cpu",
+        ROWS=rows,
+        num_warps=num_warps,
     )
     return data, scales, data_t, scales_t
 
 
-def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                      block: tuple[int, int] = (128, 128), chunk: int | None = None, num_warps: int = 8):
+def dequantize_blocks(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    block: tuple[int, int] = (128, 128),
+    chunk: int | None = None,
+    num_warps: int = 8,
+):
     """Kernel-layout e4m3 data [E, N, K] and fp32 scales -> master order [E, N, K] in dtype
     (bfloat16 or float32): the dequantized value rounded once to dtype."""
     if data.dtype != torch.float8_e4m3fn or not data.is_contiguous():
@@ -289,14 +337,25 @@ def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     block_n, block_k = block
     expected = (E, N // block_n, K // block_k)
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
-        raise ValueError(f"scales: expected contiguous float32 {list(expected)}, got {scales.dtype} {list(scales.shape)}")
+        raise ValueError(
+            f"scales: expected contiguous float32 {list(expected)}, got {scales.dtype} {list(scales.shape)}"
+        )
     half_blocks, chunk_blocks = _gate_up_blocks(N, block_n, chunk)
     out = torch.empty(E, N, K, dtype=dtype, device=data.device)
     soft = data.device.type == "cpu"
     _dequantize_blocks_kernel[(E * (N // block_n) * (K // block_k),)](
-        data.view(torch.uint8), scales, out.view(torch.int16) if soft and dtype == torch.bfloat16 else out,
-        N, K, half_blocks, chunk_blocks,
-        GATE_UP=chunk is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        OUT_BF16=dtype == torch.bfloat16, SOFT_CAST=soft, num_warps=num_warps,
+        data.view(torch.uint8),
+        scales,
+        out.view(torch.int16) if soft and dtype == torch.bfloat16 else out,
+        N,
+        K,
+        half_blocks,
+        chunk_blocks,
+        GATE_UP=chunk is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        OUT_BF16=dtype == torch.bfloat16,
+        SOFT_CAST=soft,
+        num_warps=num_warps,
     )
     return out

@@ -72,7 +72,9 @@ class CudaSymmetricPeers:
         self.local = self.handle = self.base_ptrs = None
         self.peers, self.areas = [], []
         self.fault_record = None
-        self.wait_ns = torch.zeros(NUM_WAIT_SITES, dtype=torch.int64, device=device)  # device time barriers waited, per site
+        self.wait_ns = torch.zeros(
+            NUM_WAIT_SITES, dtype=torch.int64, device=device
+        )  # device time barriers waited, per site
         _agree_description(group, self.rank, description, timeout_s)
         self.area_offset = -(-nbytes // 256) * 256
         total = self.area_offset + area_bytes(self.world)
@@ -117,10 +119,25 @@ class CudaSymmetricPeers:
 
         exchange_args = None
         if exchange is not None:
-            exchange_args = (self.local.data_ptr() + exchange.slot_offset, exchange.verdict, exchange.name,
-                             exchange.status_out, exchange.all_ok, exchange.compare_on_device)
-        device_barrier(self.base_ptrs, self.area_offset, self.rank, self.world, tag, self.timeout_s,
-                       self.fault_record, self.wait_ns[wait_site:wait_site + 1], exchange_args)
+            exchange_args = (
+                self.local.data_ptr() + exchange.slot_offset,
+                exchange.verdict,
+                exchange.name,
+                exchange.status_out,
+                exchange.all_ok,
+                exchange.compare_on_device,
+            )
+        device_barrier(
+            self.base_ptrs,
+            self.area_offset,
+            self.rank,
+            self.world,
+            tag,
+            self.timeout_s,
+            self.fault_record,
+            self.wait_ns[wait_site : wait_site + 1],
+            exchange_args,
+        )
 
     def fault_error(self) -> Exception | None:
         """The error of a fault this rank's device barrier recorded before it trapped, if any."""

@@ -38,7 +38,8 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
     if rank == 0:
         token.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
         works = {
-            r: dist.isend(token, dst=dist.get_global_rank(group, r), group=group, tag=_TOKEN_TAG) for r in range(1, world)
+            r: dist.isend(token, dst=dist.get_global_rank(group, r), group=group, tag=_TOKEN_TAG)
+            for r in range(1, world)
         }
     else:
         works = {0: dist.irecv(token, src=dist.get_global_rank(group, 0), group=group, tag=_TOKEN_TAG)}

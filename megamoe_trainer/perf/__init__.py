@@ -71,8 +71,10 @@ def tune_optimizer(perf, optimizer, moments_dtype: str = "fp32") -> None:
         bf16_moments = moments_dtype == "bf16"
         switched = use_adam_writing_model_params(optimizer, torch.bfloat16 if bf16_moments else torch.float32)
         if bf16_moments and not switched:
-            raise RuntimeError("train.adam_moments_dtype=bf16: the AdamW kernel that keeps bf16 moments cannot step "
-                               "this run's optimizer (it needs CUDA fp32 main params under megatron's bf16 optimizer)")
+            raise RuntimeError(
+                "train.adam_moments_dtype=bf16: the AdamW kernel that keeps bf16 moments cannot step "
+                "this run's optimizer (it needs CUDA fp32 main params under megatron's bf16 optimizer)"
+            )
 
 
 def after_checkpoint_load(perf, optimizer) -> None:

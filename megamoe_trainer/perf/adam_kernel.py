@@ -40,11 +40,28 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
-def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, grad_scale_ptr, n,
-                  lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-                  bias_correction2_sqrt,
-                  HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr, V_BF16: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _adamw_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    copy_ptr,
+    grad_scale_ptr,
+    n,
+    lr_weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    bias_correction2_sqrt,
+    HAS_SCALE: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    M_BF16: tl.constexpr,
+    V_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(param_ptr + offs, mask=mask)
@@ -69,37 +86,74 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, gr
         tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 model_copy: torch.Tensor | None, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, grad_scale: torch.Tensor | None = None) -> None:
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    model_copy: torch.Tensor | None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One AdamW step of `param` (fp32, in place) and its moments (fp32 or bf16 each) at step count
     `step` (1 for the first), writing `model_copy` (a bf16 tensor of param's numel) where given.
     All contiguous, on one device."""
     n = param.numel()
-    for name, t, dtypes in (("grad", grad, (torch.float32,)), ("exp_avg", exp_avg, MOMENT_DTYPES),
-                            ("exp_avg_sq", exp_avg_sq, MOMENT_DTYPES)):
+    for name, t, dtypes in (
+        ("grad", grad, (torch.float32,)),
+        ("exp_avg", exp_avg, MOMENT_DTYPES),
+        ("exp_avg_sq", exp_avg_sq, MOMENT_DTYPES),
+    ):
         if t.dtype not in dtypes or t.numel() != n or not t.is_contiguous() or t.device != param.device:
             kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise ValueError(f"adamw_update: {name} must be a contiguous {kinds} tensor of param's numel and device, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+            raise ValueError(
+                f"adamw_update: {name} must be a contiguous {kinds} tensor of param's numel and device, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
     if param.dtype != torch.float32 or not param.is_contiguous():
         raise ValueError(f"adamw_update: param must be contiguous fp32, got {param.dtype}")
-    if model_copy is not None and (model_copy.numel() != n or not model_copy.is_contiguous()
-                                   or model_copy.dtype != torch.bfloat16):
-        raise ValueError(f"adamw_update: model_copy must be a contiguous bf16 tensor of param's numel, "
-                         f"got {model_copy.dtype} {tuple(model_copy.shape)}")
+    if model_copy is not None and (
+        model_copy.numel() != n or not model_copy.is_contiguous() or model_copy.dtype != torch.bfloat16
+    ):
+        raise ValueError(
+            f"adamw_update: model_copy must be a contiguous bf16 tensor of param's numel, "
+            f"got {model_copy.dtype} {tuple(model_copy.shape)}"
+        )
     if step < 1:
         raise ValueError(f"adamw_update: step counts from 1, got {step}")
     if n == 0:
         return
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, model_copy if model_copy is not None else param,
-        grad_scale if grad_scale is not None else param, n,
-        lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, lr / bias_correction1, bias_correction2_sqrt,
-        HAS_SCALE=grad_scale is not None, HAS_COPY=model_copy is not None, M_BF16=exp_avg.dtype == torch.bfloat16,
-        V_BF16=exp_avg_sq.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8)
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        model_copy if model_copy is not None else param,
+        grad_scale if grad_scale is not None else param,
+        n,
+        lr * weight_decay,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        lr / bias_correction1,
+        bias_correction2_sqrt,
+        HAS_SCALE=grad_scale is not None,
+        HAS_COPY=model_copy is not None,
+        M_BF16=exp_avg.dtype == torch.bfloat16,
+        V_BF16=exp_avg_sq.dtype == torch.bfloat16,
+        BLOCK=BLOCK,
+        num_warps=8,
+    )
     # A kernel's writes are invisible to autograd's version counters, which caches key on (the fp8
     # expert weights are re-quantized when the bf16 parameter's version moves): count them as the
     # in-place torch ops they replace would.

@@ -33,10 +33,27 @@ class SDPAttention(DotProductAttention):
     sliding-window attention and non-vanilla softmax types.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
         if self.config.softmax_type != "vanilla":
             raise ValueError(f"SDPAttention: softmax_type={self.config.softmax_type!r} is not supported (vanilla only)")
         if self.scale_mask_softmax.window_size is not None:
@@ -46,8 +63,9 @@ class SDPAttention(DotProductAttention):
         self.sdpa_scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         self.dropout_p = self.attention_dropout.p
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         """query [sq, b, heads, d], key / value [sk, b, groups, d] -> [sq, b, heads * d]."""
         if packed_seq_params is not None:
             raise ValueError("SDPAttention: packed sequences are not supported")
@@ -61,8 +79,13 @@ class SDPAttention(DotProductAttention):
         if attention_mask is not None and mask_type != AttnMaskType.no_mask:
             mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
         dropout_p = self.dropout_p if self.training else 0.0
-        kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.sdpa_scale,
-                      enable_gqa=q.shape[1] != k.shape[1])
+        kwargs = dict(
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=self.sdpa_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         if dropout_p > 0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = F.scaled_dot_product_attention(q, k, v, **kwargs)

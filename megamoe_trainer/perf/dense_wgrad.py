@@ -36,10 +36,16 @@ def _cutlass_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, ma
     from megamoe_train.backends import cutlass_gemm
 
     dev = main_grad.device
-    ok = (total_input.dtype == grad_output.dtype == torch.bfloat16 and main_grad.dtype == torch.float32
-          and main_grad.is_contiguous() and total_input.is_contiguous() and grad_output.is_contiguous()
-          and main_grad.shape[0] % 8 == 0 and main_grad.shape[1] % 8 == 0
-          and cutlass_gemm.takes(total_input, grad_output, main_grad))
+    ok = (
+        total_input.dtype == grad_output.dtype == torch.bfloat16
+        and main_grad.dtype == torch.float32
+        and main_grad.is_contiguous()
+        and total_input.is_contiguous()
+        and grad_output.is_contiguous()
+        and main_grad.shape[0] % 8 == 0
+        and main_grad.shape[1] % 8 == 0
+        and cutlass_gemm.takes(total_input, grad_output, main_grad)
+    )
     if not ok:
         return False
     rows = total_input.shape[0]
@@ -47,16 +53,24 @@ def _cutlass_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, ma
     if ends is None:
         ends = _GROUP_ENDS[(rows, dev)] = torch.full((1,), rows, dtype=torch.int32, device=dev)
     variant, swizzle = cutlass_gemm.bf16_wgrad_accumulate_config(rows)
-    cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(grad_output, total_input, ends, main_grad.view(1, *main_grad.shape),
-                                                    variant, swizzle)
+    cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate(
+        grad_output, total_input, ends, main_grad.view(1, *main_grad.shape), variant, swizzle
+    )
     return True
 
 
 def _check(total_input, grad_output, main_grad):
-    if total_input.dim() != 2 or grad_output.dim() != 2 or main_grad.dim() != 2 or \
-            main_grad.shape != (grad_output.shape[1], total_input.shape[1]) or total_input.shape[0] != grad_output.shape[0]:
-        raise ValueError(f"dense wgrad fusion: input [T, in], grad_output [T, out] and main_grad [out, in] expected, got "
-                         f"{list(total_input.shape)}, {list(grad_output.shape)} and {list(main_grad.shape)}")
+    if (
+        total_input.dim() != 2
+        or grad_output.dim() != 2
+        or main_grad.dim() != 2
+        or main_grad.shape != (grad_output.shape[1], total_input.shape[1])
+        or total_input.shape[0] != grad_output.shape[0]
+    ):
+        raise ValueError(
+            f"dense wgrad fusion: input [T, in], grad_output [T, out] and main_grad [out, in] expected, got "
+            f"{list(total_input.shape)}, {list(grad_output.shape)} and {list(main_grad.shape)}"
+        )
 
 
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -72,8 +86,9 @@ def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, 
     main_grad.add_(grad_output.t().matmul(total_input))
 
 
-_extension = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32,
-                                   wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16)
+_extension = types.SimpleNamespace(
+    wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16
+)
 
 
 def use_dense_wgrad_fusion() -> bool:

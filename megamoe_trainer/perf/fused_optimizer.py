@@ -85,7 +85,10 @@ def _chained_grad_norm(self):
     device = next((n.device for n in norms if isinstance(n, torch.Tensor)), None)
     if device is None:
         return _original_chained_grad_norm(self)
-    parts = [n.reshape(()).float() if isinstance(n, torch.Tensor) else torch.full((), float(n or 0.0), device=device) for n in norms]
+    parts = [
+        n.reshape(()).float() if isinstance(n, torch.Tensor) else torch.full((), float(n or 0.0), device=device)
+        for n in norms
+    ]
     return torch.stack(parts).square().sum().sqrt()
 
 
@@ -96,8 +99,12 @@ def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad: bo
     """megatron's clip_grad_by_total_norm_fp32, the scaling deferred into fused Adam where it can be."""
     params = [p for p in parameters if p.grad is not None]
     adam = getattr(params[0], "_megamoe_fused_adam", None) if params else None
-    if (adam is None or use_decoupled_grad or not isinstance(total_norm, torch.Tensor)
-            or not all(group.get("fused") for group in adam.param_groups)):
+    if (
+        adam is None
+        or use_decoupled_grad
+        or not isinstance(total_norm, torch.Tensor)
+        or not all(group.get("fused") for group in adam.param_groups)
+    ):
         return _original_clip(parameters, max_norm, total_norm, use_decoupled_grad)
     with_grads = {id(p) for group in adam.param_groups for p in group["params"] if p.grad is not None}
     if with_grads != {id(p) for p in params} or len(with_grads) != len(params):
@@ -121,7 +128,8 @@ def install() -> bool:
     if _installed:
         return True
     from megatron.core import utils as mcore_utils
-    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
 
     if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
         return False
@@ -203,8 +211,12 @@ class _AdamWWritingModelParams:
                 state = adam.state[p]
                 if not state:  # as torch's fused AdamW initializes it
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(
+                        p, dtype=self.moments_dtype, memory_format=torch.preserve_format
+                    )
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        p, dtype=self.moments_dtype, memory_format=torch.preserve_format
+                    )
                 for key in ("exp_avg", "exp_avg_sq"):  # a load casts the state to the param's dtype: back, exactly
                     if state[key].dtype != self.moments_dtype:
                         state[key] = state[key].to(self.moments_dtype)
@@ -225,9 +237,20 @@ class _AdamWWritingModelParams:
                 count = self.host_steps[id(p)][1] + 1
                 self.host_steps[id(p)] = (state["step"], count)
                 steps.append(state["step"])
-                adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.model_params.get(id(p)),
-                             step=count, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], grad_scale=grad_scale)
+                adamw_update(
+                    p,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    self.model_params.get(id(p)),
+                    step=count,
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    grad_scale=grad_scale,
+                )
         if steps:
             torch._foreach_add_(steps, 1.0)
         _drop_grad_scale(adam, (), {})  # the hook torch's own step would have run
@@ -235,11 +258,13 @@ class _AdamWWritingModelParams:
 
     def copy_main_to_model(self, original):
         """megatron's main -> model copy, skipped right after this step wrote the model params."""
+
         def copy():
             if self.wrote_model_params:
                 self.wrote_model_params = False
                 return
             original()
+
         return copy
 
 
@@ -248,9 +273,14 @@ def _model_params_for_kernel(mo, adam) -> dict | None:
     kernel can step `adam` (torch's fused, decoupled-decay AdamW over contiguous fp32 CUDA params,
     contiguous model params of the same size); None where it cannot."""
     for group in adam.param_groups:
-        if (not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("differentiable")
-                or not group.get("decoupled_weight_decay", isinstance(adam, torch.optim.AdamW))
-                or isinstance(group["lr"], torch.Tensor)):
+        if (
+            not group.get("fused")
+            or group.get("amsgrad")
+            or group.get("maximize")
+            or group.get("differentiable")
+            or not group.get("decoupled_weight_decay", isinstance(adam, torch.optim.AdamW))
+            or isinstance(group["lr"], torch.Tensor)
+        ):
             return None
         for p in group["params"]:
             if p.device.type != "cuda" or p.dtype != torch.float32 or not p.is_contiguous():

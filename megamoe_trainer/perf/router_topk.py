@@ -32,22 +32,41 @@ try:
 except ImportError:  # CPU-only installs without triton: megatron's torch code runs
     triton = None
 
-__all__ = ["select_topk", "use_fused_router_topk", "fused_router_topk_installed", "fused_topk_routing",
-           "fused_aux_loss_scores"]
+__all__ = [
+    "select_topk",
+    "use_fused_router_topk",
+    "fused_router_topk_installed",
+    "fused_topk_routing",
+    "fused_aux_loss_scores",
+]
 
 
 if triton is not None:
 
     @triton.jit
-    def _select_topk_kernel(scores, out, T, E, stride, K: tl.constexpr, EP: tl.constexpr, G: tl.constexpr,
-                            GK: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr):
+    def _select_topk_kernel(
+        scores,
+        out,
+        T,
+        E,
+        stride,
+        K: tl.constexpr,
+        EP: tl.constexpr,
+        G: tl.constexpr,
+        GK: tl.constexpr,
+        M: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
         """out[t, :K] = the K largest of scores[t] (fp32 [T, E]), largest first; with G groups
         (G > 1, E = EP) only experts of the GK groups with the largest sum of their top M scores."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, EP)
         live = rows < T
-        s = tl.load(scores + rows[:, None].to(tl.int64) * stride + cols[None, :],
-                    mask=live[:, None] & (cols[None, :] < E), other=float("-inf"))
+        s = tl.load(
+            scores + rows[:, None].to(tl.int64) * stride + cols[None, :],
+            mask=live[:, None] & (cols[None, :] < E),
+            other=float("-inf"),
+        )
         if G > 1:
             EG: tl.constexpr = EP // G
             x = tl.reshape(s, [ROWS, G, EG])
@@ -71,8 +90,9 @@ if triton is not None:
             s = tl.where(cols[None, :] == best[:, None], float("-inf"), s)
 
 
-def select_topk(scores: torch.Tensor, topk: int, num_groups: int | None = None,
-                group_topk: int | None = None) -> torch.Tensor | None:
+def select_topk(
+    scores: torch.Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None
+) -> torch.Tensor | None:
     """int64 [T, topk]: each row's topk largest scores' expert ids, largest first, with megatron's
     group-limited rule when group_topk is set (num_groups groups of E / num_groups experts; keep
     the group_topk groups whose top topk / group_topk scores sum highest). None where the kernel
@@ -92,13 +112,15 @@ def select_topk(scores: torch.Tensor, topk: int, num_groups: int | None = None,
         M = topk // GK
     out = torch.empty(T, topk, dtype=torch.int64, device=scores.device)
     if T:
-        _select_topk_kernel[(triton.cdiv(T, ROWS),)](scores, out, T, E, scores.stride(0), K=topk, EP=EP, G=G, GK=GK, M=M,
-                                                      ROWS=ROWS, num_warps=4)
+        _select_topk_kernel[(triton.cdiv(T, ROWS),)](
+            scores, out, T, E, scores.stride(0), K=topk, EP=EP, G=G, GK=GK, M=M, ROWS=ROWS, num_warps=4
+        )
     return out
 
 
-def _routing_scores(logits: torch.Tensor, score_function: str, use_pre_softmax: bool, expert_bias,
-                    grouped: bool = False) -> torch.Tensor | None:
+def _routing_scores(
+    logits: torch.Tensor, score_function: str, use_pre_softmax: bool, expert_bias, grouped: bool = False
+) -> torch.Tensor | None:
     """The fp32 scores megatron's top-k ranks the experts by (None: a score function not known
     here, or scores megatron does not rank in fp32)."""
     if score_function == "softmax":
@@ -130,8 +152,13 @@ def fused_topk_routing(original):
         a = bound.arguments
         if not a["fused"] and a["precomputed_indices"] is None and a.get("router_replay") is None:
             with torch.no_grad():
-                scores = _routing_scores(a["logits"], a["score_function"], a["use_pre_softmax"], a["expert_bias"],
-                                         grouped=bool(a["group_topk"]))
+                scores = _routing_scores(
+                    a["logits"],
+                    a["score_function"],
+                    a["use_pre_softmax"],
+                    a["expert_bias"],
+                    grouped=bool(a["group_topk"]),
+                )
                 if scores is not None:
                     a["precomputed_indices"] = select_topk(scores, a["topk"], a["num_groups"], a["group_topk"])
         return original(*bound.args, **bound.kwargs)
@@ -183,8 +210,9 @@ def use_fused_router_topk() -> bool:
     if _originals:
         return True
     routing, aux = router.topk_routing_with_score_function, router.compute_routing_scores_for_aux_loss
-    if "precomputed_indices" not in inspect.signature(routing).parameters or \
-            not {"logits", "topk", "fused"} <= set(inspect.signature(aux).parameters):
+    if "precomputed_indices" not in inspect.signature(routing).parameters or not {"logits", "topk", "fused"} <= set(
+        inspect.signature(aux).parameters
+    ):
         return False
     _originals.update(routing=routing, aux=aux)
     router.topk_routing_with_score_function = fused_topk_routing(routing)

@@ -1,5 +1,4 @@
 import pytest
-
 from rank_pool import RankPool
 
 # (the test modules skip themselves with pytest.importorskip("megatron.core") when it is absent)

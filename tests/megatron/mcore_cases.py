@@ -9,7 +9,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from test_mega_moe_dist import rel_err  # the suite's one relative-error helper
 
 _READY = False
@@ -77,7 +76,9 @@ def model(cfg, seed=0):
     from megatron_patch import get_megamoe_gpt_decoder_block_spec
 
     torch.manual_seed(seed)
-    return GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ).to(device())
+    return GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ).to(
+        device()
+    )
 
 
 def batch(rank, seed=0):
@@ -120,7 +121,6 @@ def moe_layer_types(m):
     return [type(x).__name__ for x in m.modules() if isinstance(x, MoELayer)]
 
 
-
 # ----------------------------------------------------------------------------------------------
 def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
     """Same loss and the same gradient for every parameter (router included), stock vs MegaMoE.
@@ -135,9 +135,14 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
     stock, mega = pair(overrides)
     assert moe_layer_types(stock) == ["MoELayer", "MoELayer"], moe_layer_types(stock)
     assert moe_layer_types(mega) == ["MegaMoEMoELayer", "MegaMoEMoELayer"], moe_layer_types(mega)
+
     # the same parameters per expert, with the same allreduce flags (expert-DP reduction, optimizer groups)
     def flags(m):
-        return {e: (getattr(p, "allreduce", True), tuple(t.shape)) for n, p in m.named_parameters() for e, t in per_expert({n: p}).items()}
+        return {
+            e: (getattr(p, "allreduce", True), tuple(t.shape))
+            for n, p in m.named_parameters()
+            for e, t in per_expert({n: p}).items()
+        }
 
     assert flags(stock) == flags(mega)
     stacked = [n for n, _ in mega.named_parameters() if n.endswith(("experts.fc1_weight", "experts.fc2_weight"))]
@@ -152,7 +157,10 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
             m = Float16Module(m.config, m)
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        out[name] = (loss.item(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+        out[name] = (
+            loss.item(),
+            per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}),
+        )
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
     errs = {n: rel_err(g2[n], g1[n]) for n in g1}  # stacked grad[e] vs stock expert e's grad
@@ -162,8 +170,13 @@ def equivalence(rank, world, overrides, bf16=False, tol=1e-5):
     router = [n for n in g1 if n.endswith("router.weight")]
     assert router and all(g1[n].abs().max() > 0 for n in router)
     mega_layers = [m for m in mega.modules() if isinstance(m, MegaMoEMoELayer)]
-    return {"loss": (l1, l2), "worst": (worst, errs[worst]), "n_grads": len(g1), "stats": [m.expert_recv_stats.tolist() for m in mega_layers],
-            "graphed": [m.megamoe.graphed is not None for m in mega_layers]}
+    return {
+        "loss": (l1, l2),
+        "worst": (worst, errs[worst]),
+        "n_grads": len(g1),
+        "stats": [m.expert_recv_stats.tolist() for m in mega_layers],
+        "graphed": [m.megamoe.graphed is not None for m in mega_layers],
+    }
 
 
 def expert_load(rank, world, overrides=None):
@@ -174,7 +187,10 @@ def expert_load(rank, world, overrides=None):
 
     _, mega = pair(overrides or {})
     routing = []
-    hooks = [r.register_forward_hook(lambda mod, i, o: routing.append(o[1].detach().clone())) for r in (l.mlp.router for l in mega.decoder.layers)]
+    hooks = [
+        r.register_forward_hook(lambda mod, i, o: routing.append(o[1].detach().clone()))
+        for r in (l.mlp.router for l in mega.decoder.layers)
+    ]
     assert get_expert_load(mega, reset=True).sum() == 0
     tokens, pos, labels = batch(rank, seed=3)
     expected = torch.zeros(2, 4, dtype=torch.int64, device=device())
@@ -214,7 +230,9 @@ def sharded_layout(m):
     for v in m.sharded_state_dict().values():
         for t in v.build() if isinstance(v, ShardedTensorFactory) else [v]:
             if isinstance(t, ShardedTensor):
-                out.append((t.key, t.global_shape, t.global_offset, t.axis_fragmentations, t.replica_id, tuple(t.local_shape)))
+                out.append(
+                    (t.key, t.global_shape, t.global_offset, t.axis_fragmentations, t.replica_id, tuple(t.local_shape))
+                )
             elif isinstance(t, ShardedObject):
                 out.append((t.key, t.global_shape, t.global_offset, None, t.replica_id, None))
     return sorted(out, key=repr)
@@ -298,7 +316,9 @@ def checkpoint_roundtrip(rank, world, ckpt_dir, overrides):
     return len(ref_stock)
 
 
-def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False):
+def expert_bias_training(
+    rank, world, steps=2, distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False
+):
     """Sigmoid router + aux-loss-free expert bias with DDP, finalize_model_grads and the Megatron
     optimizer: the bias (and the router's token counts) evolve exactly as with stock layers.
     Optionally with the distributed optimizer and overlapped grad reduction (DDP's grad hooks must
@@ -321,7 +341,9 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
     for name, m in (("stock", stock), ("mega", mega)):
         cfg = m.config
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=distributed_optimizer,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=distributed_optimizer,
             overlap_param_gather=overlap_param_gather,
         )
         ddp = DistributedDataParallel(cfg, ddp_cfg, m)
@@ -329,7 +351,9 @@ def expert_bias_training(rank, world, steps=2, distributed_optimizer=False, over
         for x in m.modules():
             if type(x).__name__ == "MegaMoEExperts":
                 x.register_forward_pre_hook(lambda mod, args: synced.append(mod))
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer
+        )
         opt = get_megatron_optimizer(opt_cfg, [ddp])
         losses, biases, counts = [], [], []
         for step in range(steps):
@@ -375,7 +399,9 @@ def spec_paths(rank, world):
     for recipe in ("bf16", None):
         for freq in (1, [0, 1]):
             cfg = config(recipe, moe_layer_freq=freq)
-            called = GPTModel(cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ).to(device())
+            called = GPTModel(
+                cfg, get_megamoe_gpt_decoder_block_spec(cfg), vocab_size=VOCAB, max_sequence_length=SEQ
+            ).to(device())
             uncalled = GPTModel(cfg, spec_obj, vocab_size=VOCAB, max_sequence_length=SEQ)
             t1, t2 = moe_layer_types(called), moe_layer_types(uncalled)
             assert t1 == t2, (t1, t2)
@@ -430,7 +456,11 @@ def megakernel_backend(rank, world):
     def build_megakernel_backend(*, config, ep_group, routed_experts, shared_experts, num_local_experts):
         raise ValueError(f"Unsupported MoE megakernel backend: {config.moe_megakernel_backend!r}")
 
-    fake = {pkg: types.ModuleType(pkg), pkg + ".backend": types.ModuleType(pkg + ".backend"), pkg + ".factory": types.ModuleType(pkg + ".factory")}
+    fake = {
+        pkg: types.ModuleType(pkg),
+        pkg + ".backend": types.ModuleType(pkg + ".backend"),
+        pkg + ".factory": types.ModuleType(pkg + ".factory"),
+    }
     fake[pkg].__path__ = []
     fake[pkg + ".backend"].MegakernelBackend = MegakernelBackend
     fake[pkg + ".factory"].build_megakernel_backend = build_megakernel_backend
@@ -457,22 +487,29 @@ def megakernel_backend(rank, world):
         probs, routing_map = stock.route(x2)
         # the backend reads the native modules' weights without calling them: their forward pre-hooks
         # (where Megatron DDP waits for the distributed optimizer's param all-gather) run once per call
-        owners = [m for m in (*stock.experts.modules(), *stock.shared_experts.modules())
-                  if next(m.parameters(recurse=False), None) is not None]
+        owners = [
+            m
+            for m in (*stock.experts.modules(), *stock.shared_experts.modules())
+            if next(m.parameters(recurse=False), None) is not None
+        ]
         fired = []
         hooks = [m.register_forward_pre_hook(lambda mod, args: fired.append(mod)) for m in owners]
         y_be = be(x2, probs, routing_map)
         for h in hooks:
             h.remove()
-        assert len(owners) == 2 * (stock.num_local_experts + 1) and sorted(map(id, fired)) == sorted(map(id, owners)), \
-            (len(owners), len(fired))
+        assert len(owners) == 2 * (stock.num_local_experts + 1) and sorted(map(id, fired)) == sorted(map(id, owners)), (
+            len(owners),
+            len(fired),
+        )
         assert rel_err(y_be.detach(), y_stock.detach()) < 1e-5
         y_stock.sum().backward()
         y_be.sum().backward()
         assert rel_err(x2.grad, x1.grad) < 1e-5
         cfg.moe_megakernel_backend = "mok"
         try:
-            factory.build_megakernel_backend(config=cfg, ep_group=None, routed_experts=None, shared_experts=None, num_local_experts=2)
+            factory.build_megakernel_backend(
+                config=cfg, ep_group=None, routed_experts=None, shared_experts=None, num_local_experts=2
+            )
         except ValueError as e:
             assert "'mok'" in str(e)
         else:
@@ -488,14 +525,19 @@ def quantized_recipe(rank, world, recipe):
     """fp8 / mxfp8_mxfp4 recipes in the GPT model: close to the stock fp32 model (quantization
     error only: e4m3 activations ~6% per element, e2m1 weights up to ~25%), every gradient finite."""
     init(rank, world)
-    overrides = dict(hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128)
+    overrides = dict(
+        hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128
+    )
     stock, mega = pair(overrides, recipe=recipe)
     tokens, pos, labels = batch(rank)
     out = {}
     for name, m in (("stock", stock), ("mega", mega)):
         loss = m(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        out[name] = (loss.item(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+        out[name] = (
+            loss.item(),
+            per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}),
+        )
     (l1, g1), (l2, g2) = out["stock"], out["mega"]
     assert abs(l1 - l2) < 1e-2 * abs(l1), (l1, l2)
     assert all(torch.isfinite(g).all() for g in g2.values())
@@ -534,8 +576,15 @@ def weight_transform_once_per_step(rank, world, steps=3, micro_batches=2):
     from megatron_patch.experts import MegaMoEExperts
 
     overrides = dict(
-        hidden_size=128, ffn_hidden_size=128, moe_ffn_hidden_size=128, bf16=True, params_dtype=torch.bfloat16,
-        moe_router_dtype="fp32", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        hidden_size=128,
+        ffn_hidden_size=128,
+        moe_ffn_hidden_size=128,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        moe_router_dtype="fp32",
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
     )
     cfg = config("fp8", **overrides)
     m = Float16Module(cfg, model(cfg, seed=5))
@@ -554,7 +603,7 @@ def weight_transform_once_per_step(rank, world, steps=3, micro_batches=2):
                 ddp(tokens, pos, None, labels=labels).float().mean().backward()
             # one transform per layer this step, of that layer's own stacked parameters
             assert len(calls) == len(experts) * (step + 1), (step, len(calls))
-            used = calls[-len(experts):]
+            used = calls[-len(experts) :]
             assert sorted(c[0].data_ptr() for c in used) == sorted(e.fc1_weight.data_ptr() for e in experts)
             for w1, w2, mm_cfg, out in used:  # the quantized weights are those of the current parameters
                 fresh = transform(w1.detach(), w2.detach(), mm_cfg)
@@ -625,13 +674,19 @@ def local_hybrid_stack_spec(num_experts):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     local = get_gpt_layer_local_spec().submodules
     attention = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add
+            input_layernorm=local.input_layernorm,
+            self_attention=local.self_attention,
+            self_attn_bda=get_bias_dropout_add,
         ),
     )
     moe = ModuleSpec(
@@ -658,15 +713,27 @@ def hybrid_equivalence(rank, world, tol=1e-5):
 
     # no aux / z-loss: Megatron's global aux-loss tracker is sized by the first model's layer
     # count (2 in the other cases of this process); the GPT cases cover the losses
-    overrides = dict(num_layers=4, moe_shared_expert_intermediate_size=96, moe_router_load_balancing_type="none",
-                     moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    overrides = dict(
+        num_layers=4,
+        moe_shared_expert_intermediate_size=96,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+    )
     models = {}
     for name, recipe, seed in (("stock", None, 1), ("mega", "bf16", 2)):
         cfg = config(recipe, **overrides)
         spec = get_megamoe_hybrid_stack_spec(cfg, local_hybrid_stack_spec(cfg.num_moe_experts))
         torch.manual_seed(seed)
-        models[name] = HybridModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*E*E",
-                                   position_embedding_type="rope", post_process=False).to(device())
+        models[name] = HybridModel(
+            cfg,
+            spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            hybrid_layer_pattern="*E*E",
+            position_embedding_type="rope",
+            post_process=False,
+        ).to(device())
     stock, mega = models["stock"], models["mega"]
     assert moe_layer_types(stock) == ["MoELayer"] * 2 and moe_layer_types(mega) == ["MegaMoEMoELayer"] * 2
     assert sharded_layout(stock) == sharded_layout(mega)
@@ -679,7 +746,10 @@ def hybrid_equivalence(rank, world, tol=1e-5):
         assert hidden.shape == proj.shape, hidden.shape
         loss = (hidden.float() * proj).mean()
         loss.backward()
-        out[name] = (hidden.detach().clone(), per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+        out[name] = (
+            hidden.detach().clone(),
+            per_expert({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}),
+        )
     (h1, g1), (h2, g2) = out["stock"], out["mega"]
     assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
     errs = {n: rel_err(g2[n], g1[n]) for n in g1}
@@ -695,11 +765,20 @@ def hybrid_equivalence(rank, world, tol=1e-5):
     from megatron_patch.spec import hybrid_stack_spec_by_config
 
     by_config = hybrid_stack_spec_by_config(local_hybrid_stack_spec(4))
-    build = lambda cfg: HybridModel(cfg, by_config, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*E*E",
-                                    position_embedding_type="rope", post_process=False)
+    build = lambda cfg: HybridModel(
+        cfg,
+        by_config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        hybrid_layer_pattern="*E*E",
+        position_embedding_type="rope",
+        post_process=False,
+    )
     assert moe_layer_types(build(config("bf16", **overrides))) == ["MegaMoEMoELayer"] * 2
     assert moe_layer_types(build(config(None, **overrides))) == ["MoELayer"] * 2
-    plain_kw = {f: getattr(config("bf16", **overrides), f) for f in TransformerConfig.__dataclass_fields__ if f in _CONFIG_KEYS}
+    plain_kw = {
+        f: getattr(config("bf16", **overrides), f) for f in TransformerConfig.__dataclass_fields__ if f in _CONFIG_KEYS
+    }
     os.environ["MEGAMOE_RECIPE"] = "none"
     try:
         assert moe_layer_types(build(TransformerConfig(**plain_kw))) == ["MoELayer"] * 2
@@ -707,7 +786,9 @@ def hybrid_equivalence(rank, world, tol=1e-5):
         del os.environ["MEGAMOE_RECIPE"]
     plain = TransformerConfig(**plain_kw)
     assert moe_layer_types(build(plain)) == ["MegaMoEMoELayer"] * 2 and plain.moe_megamoe_recipe == "bf16"
-    spec = import_module(("megatron_patch.hybrid_spec", "megamoe_hybrid_stack_spec"))  # megatron-core's TE stack, swapped
+    spec = import_module(
+        ("megatron_patch.hybrid_spec", "megamoe_hybrid_stack_spec")
+    )  # megatron-core's TE stack, swapped
     assert spec.submodules.moe_layer.submodules.mlp.func.__name__ == "moe_layer_by_config"
     # the MoE builder alone, as hybrid_layer_specs calls it
     cfg = config("bf16")
@@ -722,8 +803,8 @@ def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
     model + optimizer loads into a stock model + optimizer (and back) with equal moments per expert."""
     init(rank, world)
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -772,7 +853,9 @@ def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
         model_sd = m.sharded_state_dict()
         m.load_state_dict(dist_checkpointing.load({"model": model_sd}, path)["model"], strict=True)
         model_sd = m.sharded_state_dict()
-        opt.load_state_dict(dist_checkpointing.load({"optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, path)["optimizer"])
+        opt.load_state_dict(
+            dist_checkpointing.load({"optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, path)["optimizer"]
+        )
 
     stock, s_ddp, s_opt = trained(None, 31)
     mega, m_ddp, m_opt = trained("bf16", 32)
@@ -795,7 +878,9 @@ def optimizer_checkpoint_both_ways(rank, world, ckpt_dir):
     return len(ref_s)
 
 
-def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2, distributed_optimizer=False, overlap_grad_reduce=False):
+def expert_main_grad_overwrite(
+    rank, world, steps=2, micro_batches=2, distributed_optimizer=False, overlap_grad_reduce=False
+):
     """megatron_patch.grad_buffers: a DDP model whose grad-buffer reset skips the fused expert
     weights' main_grad (flagging them to be written over) gives the main_grads of one that zeroes
     everything, bit for bit, at every step, though its expert main_grads hold NaN before each
@@ -812,8 +897,11 @@ def expert_main_grad_overwrite(rank, world, steps=2, micro_batches=2, distribute
     ddps = []
     for _ in range(2):
         m = model(cfg, seed=7)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-                                                use_distributed_optimizer=distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=distributed_optimizer,
+        )
         ddps.append(DistributedDataParallel(cfg, ddp_cfg, m))
     switched, plain = ddps
     assert overwrite_expert_main_grads(switched) == 4  # 2 MoE layers x (fc1, fc2)
@@ -870,11 +958,17 @@ def shared_expert_param_gather(rank, world, recipe, bucket_size=4096, steps=3):
     def run(overlap_param_gather):
         cfg = config(recipe, moe_shared_expert_intermediate_size=64)
         m = model(cfg, seed=3)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-                                                overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=True,
+            overlap_param_gather=overlap_param_gather,
+            bucket_size=bucket_size,
+        )
         ddp = DistributedDataParallel(cfg, ddp_cfg, m)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False,
-                                                     use_distributed_optimizer=True), [ddp])
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, fp16=False, use_distributed_optimizer=True), [ddp]
+        )
         in_flight = []  # shared-expert weights read by mega_moe before their all-gather finished
         real = moe_layer.mega_moe
 

@@ -56,7 +56,9 @@ def test_checkpoint_roundtrip_both_ways(mcore_pool, tmp_path):
 DDP_VARIANTS = {
     "plain": {},
     "distopt-overlap": dict(distributed_optimizer=True, overlap_grad_reduce=True),
-    "distopt-overlap-param-gather": dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+    "distopt-overlap-param-gather": dict(
+        distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+    ),
 }
 
 

@@ -30,11 +30,19 @@ def make(**overrides):
 
 def test_valid_configs():
     for recipe in ("bf16", "fp8", "mxfp8_mxfp4"):
-        cfg = make(moe_megamoe_recipe=recipe, hidden_size=128, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128, activation_func_clamp_value=7.0)
+        cfg = make(
+            moe_megamoe_recipe=recipe,
+            hidden_size=128,
+            moe_ffn_hidden_size=128,
+            moe_shared_expert_intermediate_size=128,
+            activation_func_clamp_value=7.0,
+        )
         assert cfg.moe_megamoe_recipe == recipe and cfg.moe_megamoe_backend == "auto"
         assert cfg.moe_megamoe_max_tokens_per_rank is None
     # recipe None: stock Megatron, nothing MegaMoE-specific is checked
-    stock = MegaMoETransformerConfig(**{**BASE, "add_bias_linear": True, "gated_linear_unit": False, "activation_func": F.gelu})
+    stock = MegaMoETransformerConfig(
+        **{**BASE, "add_bias_linear": True, "gated_linear_unit": False, "activation_func": F.gelu}
+    )
     assert stock.moe_megamoe_recipe is None
 
 
@@ -55,7 +63,12 @@ REJECTED = [
     ("hidden_size", dict(moe_megamoe_recipe="fp8")),  # fp8 needs 128-multiples
     ("moe_ffn_hidden_size", dict(moe_megamoe_recipe="fp8", hidden_size=128, moe_ffn_hidden_size=96)),
     ("moe_shared_expert_gate", dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True)),
-    ("moe_shared_expert_overlap", dict(moe_shared_expert_intermediate_size=96, moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall")),
+    (
+        "moe_shared_expert_overlap",
+        dict(
+            moe_shared_expert_intermediate_size=96, moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall"
+        ),
+    ),
 ]
 
 
@@ -193,8 +206,13 @@ def test_megamoe_config_translation():
 
     from megatron_patch.config import megamoe_config
 
-    cfg = make(hidden_size=128, moe_ffn_hidden_size=256, moe_shared_expert_intermediate_size=384, activation_func_clamp_value=7.0,
-               moe_megamoe_max_tokens_per_rank=512)
+    cfg = make(
+        hidden_size=128,
+        moe_ffn_hidden_size=256,
+        moe_shared_expert_intermediate_size=384,
+        activation_func_clamp_value=7.0,
+        moe_megamoe_max_tokens_per_rank=512,
+    )
     mm = megamoe_config(cfg)
     assert (mm.num_experts, mm.hidden, mm.intermediate, mm.topk) == (4, 128, 256, 2)
     assert (mm.num_shared_experts, mm.shared_intermediate, mm.activation_clamp) == (1, 384, 7.0)

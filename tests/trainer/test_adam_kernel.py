@@ -37,14 +37,35 @@ def test_bf16_moments_compile_to_round_to_nearest_even_on_hopper():
     from megamoe_trainer.perf import adam_kernel as ak
 
     kernel = ak._adamw_kernel
-    signature = {"param_ptr": "*fp32", "grad_ptr": "*fp32", "exp_avg_ptr": "*bf16", "exp_avg_sq_ptr": "*bf16",
-                 "copy_ptr": "*bf16", "grad_scale_ptr": "*fp32", "n": "i64"}
-    signature.update(dict.fromkeys(("lr_weight_decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps",
-                                    "step_size", "bias_correction2_sqrt"), "fp32"))
+    signature = {
+        "param_ptr": "*fp32",
+        "grad_ptr": "*fp32",
+        "exp_avg_ptr": "*bf16",
+        "exp_avg_sq_ptr": "*bf16",
+        "copy_ptr": "*bf16",
+        "grad_scale_ptr": "*fp32",
+        "n": "i64",
+    }
+    signature.update(
+        dict.fromkeys(
+            (
+                "lr_weight_decay",
+                "beta1",
+                "one_minus_beta1",
+                "beta2",
+                "one_minus_beta2",
+                "eps",
+                "step_size",
+                "bias_correction2_sqrt",
+            ),
+            "fp32",
+        )
+    )
     constants = dict(HAS_SCALE=True, HAS_COPY=True, M_BF16=True, V_BF16=True, BLOCK=ak.BLOCK)
     signature.update(dict.fromkeys(constants, "constexpr"))
-    src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+    src = ASTSource(
+        fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()}
+    )
     ptx = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
     conversions = set(re.findall(r"cvt\.[a-z.]*\.bf16\.f32", ptx))
     assert conversions == {"cvt.rn.bf16.f32"}, conversions
@@ -74,15 +95,45 @@ def test_training_with_the_adam_kernel_matches_torch_adam(tmp_path):
     runs = {}
     for name, on in (("kernel", "true"), ("torch", "false")):
         run = str(tmp_path / name)
-        args = [os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"), "--run-dir", run, "--steps", "5", "--no-resume",
-                "--set", "parallel.device=cuda", "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1",
-                "--set", "model.dtype=bf16", "--set", "run.checkpoint=false", "--set", "run.plot_every=0",
-                "--set", "run.log_every=1",
-                "--set", "moe.megamoe_recipe=fp8", "--set", "train.lr=1e-2", "--set", "train.warmup_steps=1",
-                "--set", f"perf.adam_writes_model_params={on}"]
+        args = [
+            os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
+            "--run-dir",
+            run,
+            "--steps",
+            "5",
+            "--no-resume",
+            "--set",
+            "parallel.device=cuda",
+            "--set",
+            "parallel.world_size=1",
+            "--set",
+            "parallel.expert_parallel=1",
+            "--set",
+            "model.dtype=bf16",
+            "--set",
+            "run.checkpoint=false",
+            "--set",
+            "run.plot_every=0",
+            "--set",
+            "run.log_every=1",
+            "--set",
+            "moe.megamoe_recipe=fp8",
+            "--set",
+            "train.lr=1e-2",
+            "--set",
+            "train.warmup_steps=1",
+            "--set",
+            f"perf.adam_writes_model_params={on}",
+        ]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "megamoe_trainer", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
         assert ("AdamW kernel writes the bf16 params" in proc.stdout) == (on == "true"), proc.stdout
         with open(os.path.join(run, "metrics.jsonl")) as f:
@@ -97,15 +148,37 @@ def test_training_with_the_adam_kernel_matches_torch_adam(tmp_path):
 
 def _tiny_cuda_run(run_dir, *overrides, steps=5):
     """The tiny recipe in fp8 on one GPU at a large learning rate; returns its metrics records and stdout."""
-    args = [os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"), "--run-dir", str(run_dir), "--steps", str(steps),
-            "--set", "parallel.device=cuda", "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1",
-            "--set", "model.dtype=bf16", "--set", "run.plot_every=0", "--set", "run.log_every=1",
-            "--set", "moe.megamoe_recipe=fp8", "--set", "train.lr=1e-2", "--set", "train.warmup_steps=1"]
+    args = [
+        os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--set",
+        "parallel.device=cuda",
+        "--set",
+        "parallel.world_size=1",
+        "--set",
+        "parallel.expert_parallel=1",
+        "--set",
+        "model.dtype=bf16",
+        "--set",
+        "run.plot_every=0",
+        "--set",
+        "run.log_every=1",
+        "--set",
+        "moe.megamoe_recipe=fp8",
+        "--set",
+        "train.lr=1e-2",
+        "--set",
+        "train.warmup_steps=1",
+    ]
     for o in overrides:
         args += ["--set", o] if "=" in o else [o]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()], proc.stdout
@@ -121,7 +194,9 @@ def test_training_with_bf16_moments(tmp_path):
     lost at the resume move the loss by more at this learning rate)."""
     pytest.importorskip("megatron.core")
     fp32, _ = _tiny_cuda_run(tmp_path / "fp32", "--no-resume", "run.checkpoint=false")
-    straight, out = _tiny_cuda_run(tmp_path / "bf16", "--no-resume", "run.checkpoint=false", "train.adam_moments_dtype=bf16")
+    straight, out = _tiny_cuda_run(
+        tmp_path / "bf16", "--no-resume", "run.checkpoint=false", "train.adam_moments_dtype=bf16"
+    )
     assert "AdamW kernel writes the bf16 params (moments in bf16)" in out, out
     assert straight[0]["loss"] == fp32[0]["loss"]
     for a, b in zip(straight, fp32):
@@ -132,5 +207,8 @@ def test_training_with_bf16_moments(tmp_path):
     by_step = {r["step"]: r for r in resumed}
     assert sorted(by_step) == [1, 2, 3, 4, 5], sorted(by_step)
     for r in straight[3:]:
-        assert by_step[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-3), (r["step"], by_step[r["step"]]["loss"], r["loss"])
-
+        assert by_step[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-3), (
+            r["step"],
+            by_step[r["step"]]["loss"],
+            r["loss"],
+        )

@@ -36,8 +36,17 @@ def _config(**kw):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=2, hidden_size=96, num_attention_heads=6, attention_dropout=0.0, hidden_dropout=0.0,
-                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True)
+    base = dict(
+        num_layers=2,
+        hidden_size=96,
+        num_attention_heads=6,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -101,12 +110,15 @@ def spec_swap(rank, world):
     return True
 
 
-@pytest.mark.parametrize("groups,explicit_mask,softmax_scale,layer_scaling", [
-    (6, False, None, False),  # multi-head, causal
-    (2, False, None, False),  # grouped-query (3 heads per group)
-    (3, True, 0.3, False),  # explicit boolean mask, explicit scale
-    (6, False, None, True),  # apply_query_key_layer_scaling: the plain scale
-])
+@pytest.mark.parametrize(
+    "groups,explicit_mask,softmax_scale,layer_scaling",
+    [
+        (6, False, None, False),  # multi-head, causal
+        (2, False, None, False),  # grouped-query (3 heads per group)
+        (3, True, 0.3, False),  # explicit boolean mask, explicit scale
+        (6, False, None, True),  # apply_query_key_layer_scaling: the plain scale
+    ],
+)
 def test_sdpa_matches_megatron_attention(pool, groups, explicit_mask, softmax_scale, layer_scaling):
     assert pool.run(compare_with_megatron, groups, explicit_mask, softmax_scale, layer_scaling) == [True]
 

@@ -16,14 +16,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_bench_train_cpu(tmp_path):
-    small = {"model.num_layers": 2, "model.hidden_size": 128, "model.num_attention_heads": 4, "model.ffn_hidden_size": 128,
-             "model.seq_length": 32, "moe.ffn_hidden_size": 128, "train.micro_batch_size": 2}
-    args = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
-            "--steps", "5", "--profile-steps", "2", "--out", str(tmp_path)]
+    small = {
+        "model.num_layers": 2,
+        "model.hidden_size": 128,
+        "model.num_attention_heads": 4,
+        "model.ffn_hidden_size": 128,
+        "model.seq_length": 32,
+        "moe.ffn_hidden_size": 128,
+        "train.micro_batch_size": 2,
+    }
+    args = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "bench_train.py"),
+        os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
+        "--steps",
+        "5",
+        "--profile-steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     for k, v in small.items():
         args += ["--set", f"{k}={v}"]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=150,
-                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    proc = subprocess.run(
+        args,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| variant | tokens/s | MFU |" in proc.stdout
     out = json.load(open(tmp_path / "bench_train.json"))
@@ -46,15 +68,42 @@ def test_bench_train_cpu(tmp_path):
 def test_bench_train_another_tree_and_repeats(tmp_path):
     """--tree runs each variant with another checkout's trainer too (here this one, through the
     subprocess path), --repeat alternates them: rows 'bf16#1', 'bf16@other#1', 'bf16#2', ..."""
-    small = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.ffn_hidden_size": 128,
-             "model.seq_length": 32, "moe.ffn_hidden_size": 64, "train.micro_batch_size": 2}
-    args = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
-            "--steps", "3", "--profile-steps", "0", "--variants", "bf16", "--tree", f"other={ROOT}", "--repeat", "2",
-            "--out", str(tmp_path)]
+    small = {
+        "model.num_layers": 2,
+        "model.hidden_size": 64,
+        "model.num_attention_heads": 4,
+        "model.ffn_hidden_size": 128,
+        "model.seq_length": 32,
+        "moe.ffn_hidden_size": 64,
+        "train.micro_batch_size": 2,
+    }
+    args = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "bench_train.py"),
+        os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml"),
+        "--steps",
+        "3",
+        "--profile-steps",
+        "0",
+        "--variants",
+        "bf16",
+        "--tree",
+        f"other={ROOT}",
+        "--repeat",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     for k, v in small.items():
         args += ["--set", f"{k}={v}"]
-    proc = subprocess.run(args, cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    proc = subprocess.run(
+        args,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.load(open(tmp_path / "bench_train.json"))["rows"]
     assert [r["variant"] for r in rows] == ["bf16#1", "bf16@other#1", "bf16#2", "bf16@other#2"]
@@ -71,15 +120,27 @@ def test_trace_summary_counts_peer_wait():
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
 
     def launch(ts, corr):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": ts, "dur": 1,
-                "args": {"correlation": corr}}
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "tid": 1,
+            "ts": ts,
+            "dur": 1,
+            "args": {"correlation": corr},
+        }
 
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "user_annotation", "name": MOE_FORWARD, "tid": 1, "ts": 0, "dur": 50},
-        launch(10, 1), kernel("gemm", 100, 300, 1),
-        launch(20, 2), kernel(PEER_WAIT_KERNEL, 400, 600, 2),
-        launch(60, 3), kernel("adam", 1000, 200, 3),
-    ]}
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "user_annotation", "name": MOE_FORWARD, "tid": 1, "ts": 0, "dur": 50},
+            launch(10, 1),
+            kernel("gemm", 100, 300, 1),
+            launch(20, 2),
+            kernel(PEER_WAIT_KERNEL, 400, 600, 2),
+            launch(60, 3),
+            kernel("adam", 1000, 200, 3),
+        ]
+    }
     s = summarize_trace(trace, wall_s=2e-3)
     assert s["kernel_s"] == pytest.approx(1.1e-3) and s["busy_s"] == pytest.approx(1.1e-3)
     assert s["peer_wait_s"] == pytest.approx(0.6e-3)

@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megamoe_trainer.cli import main as cli_main, quiet  # noqa: E402
+from megamoe_trainer.cli import main as cli_main  # noqa: E402
+from megamoe_trainer.cli import quiet
 
 quiet()
 
@@ -23,10 +24,26 @@ TINY = os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml")
 
 # A smaller model than the recipe's, so a few steps take seconds.
 SMALL = [
-    "--set", "model.num_layers=2", "--set", "model.hidden_size=64", "--set", "model.num_attention_heads=4",
-    "--set", "model.ffn_hidden_size=128", "--set", "model.seq_length=32", "--set", "moe.ffn_hidden_size=64",
-    "--set", "train.micro_batch_size=4", "--set", "train.warmup_steps=2", "--set", "run.log_every=1",
-    "--set", "run.plot_every=0",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "model.num_attention_heads=4",
+    "--set",
+    "model.ffn_hidden_size=128",
+    "--set",
+    "model.seq_length=32",
+    "--set",
+    "moe.ffn_hidden_size=64",
+    "--set",
+    "train.micro_batch_size=4",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "run.log_every=1",
+    "--set",
+    "run.plot_every=0",
 ]
 
 
@@ -46,14 +63,17 @@ def test_every_recipe_validates(path):
     assert recipe.moe.megamoe_recipe in ("bf16", "fp8", "mxfp8_mxfp4")
 
 
-@pytest.mark.parametrize("overrides, on_gpu_executor, graphed", [
-    ([], True, True),  # a GPU recipe as it is, where the GPU executor runs it
-    ([], False, False),  # ... where it does not (no sm90, or a recipe it does not run): no graphs
-    (["moe.megamoe_recipe=fp8"], True, True),
-    (["moe.megamoe_backend=reference"], True, False),
-    (["moe.megamoe_cuda_graph=false"], True, False),
-    (["moe.megamoe_cuda_graph=true"], False, True),  # as set (GraphedMegaMoE then names the executor)
-])
+@pytest.mark.parametrize(
+    "overrides, on_gpu_executor, graphed",
+    [
+        ([], True, True),  # a GPU recipe as it is, where the GPU executor runs it
+        ([], False, False),  # ... where it does not (no sm90, or a recipe it does not run): no graphs
+        (["moe.megamoe_recipe=fp8"], True, True),
+        (["moe.megamoe_backend=reference"], True, False),
+        (["moe.megamoe_cuda_graph=false"], True, False),
+        (["moe.megamoe_cuda_graph=true"], False, True),  # as set (GraphedMegaMoE then names the executor)
+    ],
+)
 def test_moe_cuda_graph_default_follows_the_executor(monkeypatch, overrides, on_gpu_executor, graphed):
     """moe.megamoe_cuda_graph unset reaches the adapter as None: graphs wherever the GPU executor
     runs the call (megatron_patch.cuda_graphs_enabled), never on CPU."""
@@ -105,7 +125,10 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["moe.megamoe_cuda_graph=true"], "moe.megamoe_cuda_graph"),  # CUDA graphs on the CPU recipe
         (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
         # stock MoE under TP: Megatron's MoELayer raises in training without sequence parallelism
-        (["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "moe.megamoe_recipe=null"], "parallel.tensor_parallel"),
+        (
+            ["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "moe.megamoe_recipe=null"],
+            "parallel.tensor_parallel",
+        ),
         (["model.attention=flash"], "model.attention"),  # the old name of perf.attention, as written
         (["perf.attention=flash"], "perf.attention"),
         (["perf.gc_every=-1"], "perf.gc_every"),
@@ -114,10 +137,14 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["train.stop_at=4", "run.profile_at=3"], "run.profile_at"),  # steps 3..5: the invocation ends at 4
         (["train.adam_moments_dtype=fp16"], "train.adam_moments_dtype"),
         (["train.adam_moments_dtype=bf16"], "train.adam_moments_dtype"),  # the AdamW kernel needs CUDA
-        (["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.adam_beta2=0.999"],
-         "train.adam_moments_dtype"),  # a bf16 exp_avg_sq would stall
-        (["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.use_distributed_optimizer=true"],
-         "train.adam_moments_dtype"),
+        (
+            ["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.adam_beta2=0.999"],
+            "train.adam_moments_dtype",
+        ),  # a bf16 exp_avg_sq would stall
+        (
+            ["train.adam_moments_dtype=bf16", "parallel.device=cuda", "train.use_distributed_optimizer=true"],
+            "train.adam_moments_dtype",
+        ),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, capsys, overrides, key):
@@ -141,7 +168,9 @@ def test_moved_keys_are_read_at_their_new_place(tmp_path, capsys):
     from megamoe_trainer.recipe import MOVED_KEYS
 
     assert set(MOVED_KEYS.values()) == {f"perf.{f}" for f in load_recipe(TINY, deep=False).perf.__dataclass_fields__}
-    old = _write(tmp_path, BASE + "train: {fused_optimizer: false, manual_gc: true}\nmodel: {attention: megatron}\n", "old.yaml")
+    old = _write(
+        tmp_path, BASE + "train: {fused_optimizer: false, manual_gc: true}\nmodel: {attention: megatron}\n", "old.yaml"
+    )
     recipe = load_recipe(old, ["moe.fused_router_topk=false"], deep=False)
     p = recipe.perf
     assert (p.fused_optimizer, p.manual_gc, p.attention, p.fused_router_topk) == (False, True, "megatron", False)
@@ -184,8 +213,14 @@ def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
 
 def _run_cli(args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megamoe_trainer", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -205,7 +240,9 @@ def test_train_checkpoint_resume(tmp_path):
     """A 6-step run stopped after step 4, then resumed: steps continue, metrics are appended, and
     the result equals an uninterrupted 6-step run (model, optimizer, data position, RNG restored)."""
     run = str(tmp_path / "run")
-    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "6", "--stop-at", "4", "--set", "run.save_every=2"])
+    code, out, err = _run_cli(
+        [TINY, *SMALL, "--run-dir", run, "--steps", "6", "--stop-at", "4", "--set", "run.save_every=2"]
+    )
     assert code == 0, out + err
     assert "step     4/6" in out and "checkpoint saved" in out and "stopped (train.stop_at)" in out, out
     assert "median after the first 1:" in out, out  # the steady rate beside the mean with warm-up
@@ -223,10 +260,17 @@ def test_train_checkpoint_resume(tmp_path):
     assert all(len(r["host_gc_ms"]) == 2 and min(r["host_gc_ms"]) >= 0 for r in first), first
     assert "peer wait" in out, out
     # split by the barrier that waited (forward / backward, first / push barrier)
-    assert all(sorted(r["peer_wait_ms_by_site"]) == sorted(["forward exchange", "forward push", "backward exchange", "backward push"])
-               and all(len(v) == 2 for v in r["peer_wait_ms_by_site"].values()) for r in first)
-    assert all(abs(sum(v[k] for v in r["peer_wait_ms_by_site"].values()) - r["peer_wait_ms"][k]) < 1e-6
-               for r in first for k in range(2))
+    assert all(
+        sorted(r["peer_wait_ms_by_site"])
+        == sorted(["forward exchange", "forward push", "backward exchange", "backward push"])
+        and all(len(v) == 2 for v in r["peer_wait_ms_by_site"].values())
+        for r in first
+    )
+    assert all(
+        abs(sum(v[k] for v in r["peer_wait_ms_by_site"].values()) - r["peer_wait_ms"][k]) < 1e-6
+        for r in first
+        for k in range(2)
+    )
     assert os.path.isfile(os.path.join(run, "progress.png"))
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_0000002", "step_0000004"]
 
@@ -260,7 +304,9 @@ def test_train_checkpoint_resume(tmp_path):
         assert json.load(f) == ref_summary  # not overwritten by the invocation that ran no step
     # starting over in a run dir with checkpoints: checkpoints/latest goes at once, so a new run
     # that dies before its first save is not resumed from the old run's checkpoint
-    code, out, err = _run_cli([TINY, *SMALL, "--run-dir", ref, "--steps", "1", "--no-resume", "--set", "run.checkpoint=false"])
+    code, out, err = _run_cli(
+        [TINY, *SMALL, "--run-dir", ref, "--steps", "1", "--no-resume", "--set", "run.checkpoint=false"]
+    )
     assert code == 0 and "starting over" in out and "step     1/1" in out, out + err
     assert not os.path.exists(os.path.join(ref, "checkpoints", "latest"))
 
@@ -272,7 +318,12 @@ def test_train_checkpoint_resume(tmp_path):
     assert [r["step"] for r in _metrics(run)] == list(range(1, 8))
 
     # a checkpoint written by 2 ranks is not resumed by 1 (refused before any rank starts)
-    assert cli_main([TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]) == 2
+    assert (
+        cli_main(
+            [TINY, *SMALL, "--run-dir", run, "--set", "parallel.world_size=1", "--set", "parallel.expert_parallel=1"]
+        )
+        == 2
+    )
 
 
 _FAILING_RANK = """
@@ -302,8 +353,25 @@ def test_a_rank_that_raises_ends_the_job_promptly(tmp_path):
     300 s timeout for the blocked peer, and the launcher ends the other ranks only then)."""
     script = _write(tmp_path, _FAILING_RANK, "failing_rank.py")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, script, TINY, *SMALL, "--run-dir", str(tmp_path / "run"), "--steps", "10",
-                           "--set", "run.checkpoint=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            script,
+            TINY,
+            *SMALL,
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "10",
+            "--set",
+            "run.checkpoint=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "megamoe-train: error: rank 1 failed: RuntimeError: injected data failure" in proc.stderr, proc.stderr
 
@@ -315,9 +383,23 @@ def test_gradient_accumulation_matches_one_large_micro_batch(tmp_path):
     runs = {}
     for name, mbs, accum in (("one", 4, 1), ("two", 2, 2)):
         run = str(tmp_path / name)
-        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
-                                   "--set", f"train.micro_batch_size={mbs}", "--set", f"train.grad_accum_steps={accum}",
-                                   "--set", "run.checkpoint=false"])
+        code, out, err = _run_cli(
+            [
+                TINY,
+                *SMALL,
+                "--run-dir",
+                run,
+                "--steps",
+                "3",
+                "--no-resume",
+                "--set",
+                f"train.micro_batch_size={mbs}",
+                "--set",
+                f"train.grad_accum_steps={accum}",
+                "--set",
+                "run.checkpoint=false",
+            ]
+        )
         assert code == 0, out + err
         runs[name] = _metrics(run)
     for a, b in zip(runs["one"], runs["two"]):
@@ -332,9 +414,25 @@ def test_data_parallel_mean_matches_one_rank(tmp_path):
     runs = {}
     for name, world, mbs in (("one", 1, 4), ("two", 2, 2)):
         run = str(tmp_path / name)
-        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
-                                   "--set", f"parallel.world_size={world}", "--set", "parallel.expert_parallel=1",
-                                   "--set", f"train.micro_batch_size={mbs}", "--set", "run.checkpoint=false"])
+        code, out, err = _run_cli(
+            [
+                TINY,
+                *SMALL,
+                "--run-dir",
+                run,
+                "--steps",
+                "3",
+                "--no-resume",
+                "--set",
+                f"parallel.world_size={world}",
+                "--set",
+                "parallel.expert_parallel=1",
+                "--set",
+                f"train.micro_batch_size={mbs}",
+                "--set",
+                "run.checkpoint=false",
+            ]
+        )
         assert code == 0, out + err
         runs[name] = _metrics(run)
     one, two = runs["one"], runs["two"]
@@ -349,7 +447,9 @@ def test_dense_wgrad_fusion_matches_ddp_accumulation(tmp_path):
     megamoe_trainer.perf.dense_wgrad): on CPU its fallback adds the bf16 wgrad into main_grad itself and
     DDP's hook skips its add, so the steps are the unfused run's bit for bit, over 2 micro-batches."""
     runs = _fused_and_unfused(tmp_path, "perf.dense_wgrad_fusion")
-    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
+    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [
+        (r["loss"], r["grad_norm"]) for r in runs["unfused"]
+    ]
 
 
 def test_expert_main_grad_overwrite_matches_zeroed_buffers(tmp_path):
@@ -357,7 +457,9 @@ def test_expert_main_grad_overwrite_matches_zeroed_buffers(tmp_path):
     stale and the step's first micro-batch writes over them, the second adds: bit for bit the
     steps of zeroed buffers (a missed overwrite would add last step's gradients)."""
     runs = _fused_and_unfused(tmp_path, "moe.megamoe_overwrite_main_grad")
-    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [(r["loss"], r["grad_norm"]) for r in runs["unfused"]]
+    assert [(r["loss"], r["grad_norm"]) for r in runs["fused"]] == [
+        (r["loss"], r["grad_norm"]) for r in runs["unfused"]
+    ]
     assert "expert main_grads written over" in runs["fused_out"] and "expert main_grads" not in runs["unfused_out"]
 
 
@@ -366,9 +468,25 @@ def _fused_and_unfused(tmp_path, switch: str) -> dict:
     runs = {}
     for name, fuse in (("fused", "true"), ("unfused", "false")):
         run = str(tmp_path / name)
-        code, out, err = _run_cli([TINY, *SMALL, "--run-dir", run, "--steps", "3", "--no-resume",
-                                   "--set", "train.micro_batch_size=2", "--set", "train.grad_accum_steps=2",
-                                   "--set", f"{switch}={fuse}", "--set", "run.checkpoint=false"])
+        code, out, err = _run_cli(
+            [
+                TINY,
+                *SMALL,
+                "--run-dir",
+                run,
+                "--steps",
+                "3",
+                "--no-resume",
+                "--set",
+                "train.micro_batch_size=2",
+                "--set",
+                "train.grad_accum_steps=2",
+                "--set",
+                f"{switch}={fuse}",
+                "--set",
+                "run.checkpoint=false",
+            ]
+        )
         assert code == 0, out + err
         runs[name] = _metrics(run)
         runs[name + "_out"] = out
@@ -412,8 +530,9 @@ def test_indexed_corpus_checks_the_labels_token_ids_too():
     corpus = IndexedCorpus.__new__(IndexedCorpus)
     corpus.vocab_size, corpus.seq_length = 256, 4
     text = np.array([5, 6, 7, 8, 300])
-    corpus.dataset = [{"tokens": text[:-1], "labels": text[1:], "loss_mask": np.ones(4, np.float32),
-                       "position_ids": np.arange(4)}]
+    corpus.dataset = [
+        {"tokens": text[:-1], "labels": text[1:], "loss_mask": np.ones(4, np.float32), "position_ids": np.arange(4)}
+    ]
     with pytest.raises(ValueError, match="data.path: token id 300"):
         corpus.batch([0])
 
@@ -423,10 +542,22 @@ def test_deepseek_proxy_features_train_on_cpu(tmp_path):
     group-limited top-8, shared expert, dense first layer, sequence aux loss), shrunk to CPU size."""
     recipe = os.path.join(ROOT, "recipes", "deepseek_v3_proxy_2gpu_fp8.yaml")
     shrink = {
-        "parallel.device": "cpu", "model.num_layers": 2, "model.moe_layer_freq": "[0,1]", "model.hidden_size": 128,
-        "model.num_attention_heads": 4, "model.ffn_hidden_size": 256, "model.vocab_size": 256, "model.seq_length": 32,
-        "moe.num_experts": 16, "moe.ffn_hidden_size": 128, "moe.shared_expert_ffn_hidden_size": 128,
-        "train.micro_batch_size": 2, "train.warmup_steps": 1, "run.log_every": 1, "run.checkpoint": "false", "run.plot_every": 0,
+        "parallel.device": "cpu",
+        "model.num_layers": 2,
+        "model.moe_layer_freq": "[0,1]",
+        "model.hidden_size": 128,
+        "model.num_attention_heads": 4,
+        "model.ffn_hidden_size": 256,
+        "model.vocab_size": 256,
+        "model.seq_length": 32,
+        "moe.num_experts": 16,
+        "moe.ffn_hidden_size": 128,
+        "moe.shared_expert_ffn_hidden_size": 128,
+        "train.micro_batch_size": 2,
+        "train.warmup_steps": 1,
+        "run.log_every": 1,
+        "run.checkpoint": "false",
+        "run.plot_every": 0,
     }
     args = [recipe, "--steps", "2", "--run-dir", str(tmp_path / "ds")]
     for k, v in shrink.items():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_trainer.perf import fused_elementwise
 from megamoe_trainer.model import transformer_config
+from megamoe_trainer.perf import fused_elementwise
 from megamoe_trainer.recipe import Recipe, runs_on_cuda
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,8 +79,10 @@ def test_native_fused_cross_entropy_matches_unfused():
     logits = torch.randn(64, 2, 1000, device="cuda", dtype=torch.bfloat16, generator=g) * 3
     labels = torch.randint(0, 1000, (64, 2), device="cuda", generator=g)
     out = {}
-    for name, fn in (("unfused", lambda x: vocab_parallel_cross_entropy(x, labels, tp_group=group)),
-                     ("fused", lambda x: fused_vocab_parallel_cross_entropy(x, labels, group))):
+    for name, fn in (
+        ("unfused", lambda x: vocab_parallel_cross_entropy(x, labels, tp_group=group)),
+        ("fused", lambda x: fused_vocab_parallel_cross_entropy(x, labels, group)),
+    ):
         x = logits.clone().requires_grad_()
         loss = fn(x)
         loss.sum().backward()

@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os, sys
 import torch, torch.distributed as dist
 
@@ -71,7 +71,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def test_no_weight_decay_on_norms_and_recipe_hyperparams_after_a_load(tmp_path):
@@ -80,6 +80,12 @@ def test_no_weight_decay_on_norms_and_recipe_hyperparams_after_a_load(tmp_path):
     script = tmp_path / "groups.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), ROOT, str(tmp_path / "run"), str(free_port())], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), ROOT, str(tmp_path / "run"), str(free_port())],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "param groups ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
