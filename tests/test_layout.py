@@ -71,7 +71,7 @@ def test_layout_matches_python(kwargs, R):
 
 
 # Benchmark shapes (E, K, H, I, T per rank) at EP=2: symmetric memory per rank, in bytes,
-# as BENCHMARKS.md states them.
+# as docs/protocol.md states them.
 SHAPES = {"S1": (256, 6, 4096, 2048, 8192), "S2": (128, 8, 2048, 768, 16384), "S3": (8, 2, 4096, 14336, 8192)}
 
 
