@@ -14,7 +14,7 @@ MFU = tokens/s (global) * training FLOPs per token / (world size * peak FLOP/s p
 
 from __future__ import annotations
 
-# Dense bf16 GEMM rate measured on one H200 (BENCHMARKS.md, "floor rates", 2026-11-30).
+# Dense bf16 GEMM rate measured on one H200 (bench_layer's floor rates, 2026-11-30).
 H200_BF16_PEAK_TFLOPS = 787.0
 
 

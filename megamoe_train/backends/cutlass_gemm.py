@@ -35,14 +35,14 @@ B_LAYOUTS = {"nk": 0, "kn": 1}
 FP8_DEFAULT = (0, 1)
 # bf16: 128x256 tiles in N-paired clusters, swizzle 4. In the layer it beat M-paired clusters (torch's
 # choice) at S1 and S4: routed experts get a varying number of 128-row tiles, and an odd count
-# leaves one CTA of an M pair idle (bench_layer A/B, NOTES.md).
+# leaves one CTA of an M pair idle (bench_layer A/B, docs/kernels.md).
 BF16_DEFAULT = (2, 4)
-FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement (NOTES.md)
+FP8_WGRAD_DEFAULT = (0, 1)  # not yet chosen by a measurement
 BF16_WGRAD_DEFAULT = (0, 1)  # accumulating into fp32, where no expert depth is given
 # Accumulating into fp32 by experts' mean depth (pool rows per expert): ping-pong with C prefetched a
 # tile ahead (5) from 320 rows (bench_gemm wgrad_acc, 1x H200: proxy's 512 rows W2 -14% / W1 -4%,
 # S1's 384 -4% / -7% against 0), cooperative 128x128 (0) below (S4's 256 rows: 5 is 9% slower on W1),
-# ping-pong with the builder's buffers (2) from 1024 (session 27, 2048 rows: W2 1.016 vs 1.089 ms,
+# ping-pong with the builder's buffers (2) from 1024 (2026-12-01, 2048 rows: W2 1.016 vs 1.089 ms,
 # W1 2.073 vs 2.195; the switch lies between the measured 512 and 2048).
 BF16_WGRAD_DEEP_ROWS, BF16_WGRAD_DEEP = 320, (5, 1)
 BF16_WGRAD_DEEPER_ROWS, BF16_WGRAD_DEEPER = 1024, (2, 1)
@@ -50,7 +50,7 @@ BF16_WGRAD_STORE_DEFAULT = (
     2,
     4,
 )  # storing bf16: ping-pong (bench_gemm --gemms wgrad; the executor's with MEGAMOE_BF16_WGRAD=cutlass)
-# Writing fp32 over main_grad, by experts' mean depth (bench_gemm wgrad_acc, 1x H200, session 27):
+# Writing fp32 over main_grad, by experts' mean depth (bench_gemm wgrad_acc, 1x H200, 2026-12-01):
 # cooperative 128x256 (1) at the 1-GPU proxy's 256 rows (W2 0.505 ms vs 0.560 for 5, W1 0.899 vs
 # 1.099), ping-pong 5 at the 2-GPU proxy's 2048 (0.978 vs 1.024, 1.914 vs 1.991); the switch lies
 # between the two measured depths.

@@ -6,7 +6,7 @@ about 1.1-1.6 ms of host time per call and 1.1-1.9 ms of small kernels at the la
 (source, token) pairs, reading each source's ids where they lie (its symmetric buffer, through
 its base address) instead of a gathered [R, T, K] copy (one copy kernel and its launch fewer per
 forward; the first read of the peers' ids after the exchange stays slow, ~95 us, whichever
-kernel makes it: NOTES.md):
+kernel makes it):
 
 1. count: per chunk, how many of its slots go to each local expert and how many of its pairs
    have any slot here (one histogram per chunk); also fills the output tables with -1;

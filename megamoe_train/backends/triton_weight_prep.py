@@ -43,7 +43,7 @@ MASTER_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels are written 
 def master_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     """Master (and compute-copy) dtypes the kernels take on `device`. On the GPU bf16 only: with
     fp32 masters the H200 run of tests/test_weight_prep.py (triton 3.6) gave bits different from
-    quant.py (cause not found yet, NOTES.md 2026-11-30), so fp32 masters take the torch ops
+    quant.py (cause not found yet, 2026-11-30), so fp32 masters take the torch ops
     there; the interpreter covers both."""
     return (torch.bfloat16,) if device.type == "cuda" else MASTER_DTYPES
 
@@ -277,7 +277,7 @@ def quantize_blocks(
     data_t [E, K, N] and scales_t [E, K/bk, N/bn]: the master-order data and scales transposed.
     rows_per_step (a power of two dividing the block's rows; None = all): how many rows of a block
     are quantized and stored at a time, after the whole block's amax. Defaults: 64 rows with 8
-    warps, the fastest on an H200 (session 27: S1's w1 3.00 ms against 3.79 for whole blocks at 4
+    warps, the fastest on an H200 (2026-12-01: S1's w1 3.00 ms against 3.79 for whole blocks at 4
     warps, the best whole-block setting, w2 1.44 against 1.93, the proxy's -20%; 16 rows lost, 32
     was within 3-10% of 64). benchmarks/bench_weight_prep.py sweeps num_warps.
     """
