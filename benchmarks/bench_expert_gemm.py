@@ -104,10 +104,13 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
         return f"{flops / ms / 1e9:.0f}"
 
     lines = [
-        f"| {shape} | {G} | {useful} | {P} | split | {t['split L1']:.3f} ({tf(f1, t['split L1'])}) | {t['split SwiGLU']:.3f} "
+        f"| {shape} | {G} | {useful} | {P} | split | {t['split L1']:.3f} ({tf(f1, t['split L1'])}) | "
+        f"{t['split SwiGLU']:.3f} "
         f"| {t['CUTLASS L2']:.3f} ({tf(f2, t['CUTLASS L2'])}) | {split:.3f} | {floor1 + floor2:.3f} | |",
-        f"| {shape} | {G} | {useful} | {P} | fused | {t['fused L1+SwiGLU']:.3f} ({tf(f1, t['fused L1+SwiGLU'])}); plain "
-        f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}); no pairs {t['ours L1 plain single']:.3f} | - | {t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
+        f"| {shape} | {G} | {useful} | {P} | fused | {t['fused L1+SwiGLU']:.3f} "
+        f"({tf(f1, t['fused L1+SwiGLU'])}); plain "
+        f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}); no pairs {t['ours L1 plain single']:.3f} | - | "
+        f"{t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
         f"| {fused:.3f} | {floor1 + floor2:.3f} | h {err_h:.1e}, y {err_out:.1e} |",
     ]
     for line in lines:
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
         f"{torch.cuda.get_device_name(dev)}; dense fp8 {fp8_rate:.0f} TFLOP/s, HBM {hbm / 1e12:.2f} TB/s (read + write); "
         f"EP{args.ep} pools; ms (TFLOP/s of routed rows)",
         "",
-        "| shape | experts | routed rows | pool rows | path | L1 | SwiGLU | L2 | total | floor | agreement (rel. to split) |",
+        "| shape | experts | routed rows | pool rows | path | L1 | SwiGLU | L2 | total | floor | "
+        "agreement (rel. to split) |",
         "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | --- |",
     ]
     print("\n".join(head), flush=True)

@@ -2,7 +2,8 @@
 variant and two scheduler swizzles) vs our Triton fp8 kernel vs torch's grouped GEMMs, in one run
 with the measured peaks.
 
-  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy,proxy16] [--ep 2] [--gemms fwd,wgrad,wgrad_acc,dense_acc] [--routed]
+  python benchmarks/bench_gemm.py [--shapes S1,S2,S3,S4,proxy,proxy16] [--ep 2] \
+[--gemms fwd,wgrad,wgrad_acc,dense_acc] [--routed]
 
 Per layer shape (bench_layer.SHAPES, plus "proxy" / "proxy16", the DeepSeek-V3 training proxy at
 8192 / 32768 tokens per GPU) the rank's
@@ -287,7 +288,8 @@ def main():
     bf16_peak, fp8_peak, write_gbs = peaks(dev)
     gemms = set(args.gemms.split(","))
     print(
-        f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
+        f"# {torch.cuda.get_device_name(dev)}, EP{args.ep} per-rank pools; "
+        f"peaks: bf16 torch.mm {bf16_peak:.0f} TFLOP/s, "
         f"fp8 torch._scaled_mm {fp8_peak:.0f} TFLOP/s, HBM write (fp32 zero_ 4 GiB) {write_gbs:.0f} GB/s; "
         f"CUTLASS extension: {cutlass_gemm.available(dev)}"
     )
@@ -302,7 +304,8 @@ def main():
 
     if "fwd" in gemms:
         print(
-            "| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | torch fp8 row-wise | fp8 floor ms |"
+            "| shape | GEMM | M x N x K | CUTLASS fp8 ms (TF/s) best config | Triton fp8 | CUTLASS bf16 | torch bf16 | "
+            "torch fp8 row-wise | fp8 floor ms |"
         )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for shape in args.shapes.split(","):
@@ -318,15 +321,18 @@ def main():
                 tf = lambda ms: 2.0 * m * n * k / ms / 1e9  # noqa: E731
                 floor = 2.0 * m * n * k / fp8_peak / 1e9
                 print(
-                    f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | {best(times, 'triton_fp8', tf)} | "
-                    f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | {best(times, 'torch_fp8_rowwise', tf)} | {floor:.3f} |",
+                    f"| {shape} | {name} | {m} x {n} x {k} | {best(times, 'cutlass_fp8', tf)} | "
+                    f"{best(times, 'triton_fp8', tf)} | "
+                    f"{best(times, 'cutlass_bf16', tf)} | {best(times, 'torch_bf16', tf)} | "
+                    f"{best(times, 'torch_fp8_rowwise', tf)} | {floor:.3f} |",
                     flush=True,
                 )
                 details.append(_detail(f"{shape} {name}", times, errors))
                 torch.cuda.empty_cache()
     if "wgrad" in gemms:
         print(
-            "\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | CUTLASS bf16 ms (TF/s) best config | "
+            "\n| shape | wgrad | G x M x N, rows per expert | CUTLASS fp8 ms (TF/s) best config | "
+            "CUTLASS bf16 ms (TF/s) best config | "
             "torch bf16 ms (TF/s) | bf16 speedup | fp8 FLOPs floor ms | bf16 FLOPs floor ms | output floor ms |"
         )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -367,7 +373,8 @@ def main():
             torch.cuda.empty_cache()
     if "dense_acc" in gemms:
         print(
-            "\n| layer | dense wgrad into fp32 main_grad | out x in, tokens | CUTLASS fused ms (TF/s) best | torch bf16 + add_ ms | "
+            "\n| layer | dense wgrad into fp32 main_grad | out x in, tokens | CUTLASS fused ms (TF/s) best | "
+            "torch bf16 + add_ ms | "
             "speedup | bf16 FLOPs floor ms |"
         )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: |")

@@ -108,7 +108,8 @@ def gemm_report(name, shape, rows, N, Kd, dev):
             )
         )
         lines.append(
-            f"{name} fp8 rows={a.shape[0]}: torch._scaled_grouped_mm (row-wise) {t_scaled:.3f} ms ({tf(t_scaled):.0f} TF/s), "
+            f"{name} fp8 rows={a.shape[0]}: torch._scaled_grouped_mm (row-wise) {t_scaled:.3f} ms "
+            f"({tf(t_scaled):.0f} TF/s), "
             f"ours (block-scaled) best {best:.3f} ms ({tf(best):.0f} TF/s), ours/torch {best / t_scaled:.2f}"
         )
     except Exception as exc:  # noqa: BLE001

@@ -330,7 +330,8 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     stats = routing_stats(idx, E, world, device)
     log(
         rank,
-        f"  rows routed {stats['rows_total']}, rows crossing GPUs (unique token x destination) {stats['link_rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
+        f"  rows routed {stats['rows_total']}, rows crossing GPUs (unique token x destination) "
+        f"{stats['link_rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
         f"busiest rank {stats['rank_max_over_mean']:.2f}x mean",
     )
     f_fwd, f_all, f_detail = floor_ms(stats, H, I, recipe, rates)
@@ -495,13 +496,15 @@ def fmt_row(r) -> str:
     extra = f" errors={r['errors']}" if r["errors"] else ""
     return (
         f"{r['shape']:<5} {r['routing']:<8} {r['recipe']:<5} {r['phase']:<7} floor {fmt(r['floor_ms']):>8} ms | "
-        f"ours {fmt(r['ours_ms']):>9} ms | native {fmt(r['native_ms']):>9} ms | ours/floor {fmt(r['ours_over_floor'], '.2f'):>6} | "
+        f"ours {fmt(r['ours_ms']):>9} ms | native {fmt(r['native_ms']):>9} ms | "
+        f"ours/floor {fmt(r['ours_over_floor'], '.2f'):>6} | "
         f"native/ours {fmt(r['native_over_ours'], '.2f'):>6} | {err} [{r['verdict']}]{extra}"
     )
 
 
 MD_HEADER = (
-    "| date | machine | shape | routing | recipe | phase | ours ms | torch-native ms | ratio (native/ours) | floor ms | ours/floor |\n"
+    "| date | machine | shape | routing | recipe | phase | ours ms | torch-native ms | ratio (native/ours) | "
+    "floor ms | ours/floor |\n"
     "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
 )
 
@@ -510,9 +513,11 @@ def md_rows(result) -> list[str]:
     lines = []
     for r in result["cases"]:
         lines.append(
-            f"| {result['date'][:10]} | {result['machine']} | {r['shape']} (E{r['E']} k{r['K']} H{r['H']} I{r['I']} T{r['T']}) | "
+            f"| {result['date'][:10]} | {result['machine']} | "
+            f"{r['shape']} (E{r['E']} k{r['K']} H{r['H']} I{r['I']} T{r['T']}) | "
             f"{r['routing']} | {r['recipe']} | {'fwd' if r['phase'] == 'fwd' else 'fwd+bwd'} | {fmt(r['ours_ms'])} | "
-            f"{fmt(r['native_ms'])} | {fmt(r['native_over_ours'], '.2f')} | {fmt(r['floor_ms'])} | {fmt(r['ours_over_floor'], '.2f')} |"
+            f"{fmt(r['native_ms'])} | {fmt(r['native_over_ours'], '.2f')} | {fmt(r['floor_ms'])} | "
+            f"{fmt(r['ours_over_floor'], '.2f')} |"
         )
     return lines
 
@@ -597,7 +602,8 @@ def worker(rank, world, args):
             "times: median over iterations of CUDA-event time per call, max over ranks",
             "fwd = training forward (autograd on), output dropped; fwd+bwd = forward + backward with a fixed dY",
             "floor = max over ranks of max(GEMM FLOPs of the rows that rank's experts got / dense 8192^3 rate, "
-            "NVLink bytes of that rank / peer-copy rate, one row per unique (token, destination GPU)); fwd+bwd: 3x FLOPs, backward bytes dY + dX in bf16",
+            "NVLink bytes of that rank / peer-copy rate, one row per unique (token, destination GPU)); "
+            "fwd+bwd: 3x FLOPs, backward bytes dY + dX in bf16",
             "fp8 floor uses the fp8 dense rate for every GEMM; native fp8 backward runs bf16 grouped GEMMs",
         ],
     )

@@ -115,10 +115,12 @@ def main():
     print("| way | ms | GB moved | GB/s | x floor |")
     print("| --- | ---: | ---: | ---: | ---: |")
     print(
-        f"| torch fused AdamW + copy | {torch_ms:.2f} | {torch_bytes / 1e9:.1f} | {torch_bytes / torch_ms / 1e6:.0f} | {torch_ms / floor_ms:.2f} |"
+        f"| torch fused AdamW + copy | {torch_ms:.2f} | {torch_bytes / 1e9:.1f} | "
+        f"{torch_bytes / torch_ms / 1e6:.0f} | {torch_ms / floor_ms:.2f} |"
     )
     print(
-        f"| kernel (AdamW writing the copy) | {kernel_ms:.2f} | {kernel_bytes / 1e9:.1f} | {kernel_bytes / kernel_ms / 1e6:.0f} | {kernel_ms / floor_ms:.2f} |"
+        f"| kernel (AdamW writing the copy) | {kernel_ms:.2f} | {kernel_bytes / 1e9:.1f} | "
+        f"{kernel_bytes / kernel_ms / 1e6:.0f} | {kernel_ms / floor_ms:.2f} |"
     )
     print(f"floor (kernel bytes / copy bandwidth): {floor_ms:.2f} ms")
 

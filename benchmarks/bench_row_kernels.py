@@ -51,7 +51,8 @@ def main():
     for block_r, warps in FORWARD_CONFIGS:
         t = median_ms(lambda: K_.swiglu_forward(h, w, act, act_s, live, 128, None, block_r=block_r, num_warps=warps))
         print(
-            f"swiglu_forward fp8  rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, {nbytes / t / 1e6:5.0f} GB/s"
+            f"swiglu_forward fp8  rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, "
+            f"{nbytes / t / 1e6:5.0f} GB/s"
         )
     del act, act_s
     grad_act = torch.randn(P, I, device=dev, dtype=torch.bfloat16)
@@ -67,7 +68,8 @@ def main():
             )
         )
         print(
-            f"swiglu_backward fp8 rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, {nbytes / t / 1e6:5.0f} GB/s"
+            f"swiglu_backward fp8 rows/program {block_r:3d} warps {warps}: {t * 1e3:7.1f} us, "
+            f"{nbytes / t / 1e6:5.0f} GB/s"
         )
     del h, grad_act, grad_h, grad_h_q, grad_h_s
     x = torch.empty(P, H, device=dev, dtype=torch.bfloat16)

@@ -26,7 +26,8 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
 - loss agreement with the stock variant: max relative difference of the per-step losses, and the
   relative difference of the mean of the last 20 losses.
-Prints a markdown table and writes DIR/bench_train.json and DIR/loss_curves.png. Runs on CPU too (then no profile / memory).
+Prints a markdown table and writes DIR/bench_train.json and DIR/loss_curves.png. Runs on CPU too
+(then no profile / memory).
 """
 
 from __future__ import annotations
@@ -237,8 +238,10 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
     lines = [
         f"`{os.path.basename(recipe)}`, {steps} steps per variant",
         "",
-        "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | host GC ms/step | "
-        "expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | last-20 mean loss | "
+        "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | "
+        "host GC ms/step | "
+        "expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | "
+        "last-20 mean loss | "
         "its rel diff vs stock |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
@@ -253,7 +256,8 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             f"{_fmt(r['gpu_busy_fraction'], '.0%')} | {_fmt(r['moe_share_of_kernel_time'], '.0%')} | "
             f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | {_fmt(r.get('host_gc_ms_per_step'), '.1f')} | "
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | {_fmt(r.get('ep_rank_load_imbalance'), '.3f')} | "
-            f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | {_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
+            f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | "
+            f"{_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
             f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |"
         )
     for r in rows:  # where the profiled steps' kernel time went, inside and outside the MoE layers

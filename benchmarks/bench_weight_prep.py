@@ -84,7 +84,8 @@ def adapter(args):
     }
     gb = (w1.numel() + w2.numel()) * 2 / 1e9
     print(
-        f"{torch.cuda.get_device_name()} | E_local={E} H={H} I={I} layers={args.layers} | expert weights {gb:.2f} GB bf16 per layer"
+        f"{torch.cuda.get_device_name()} | E_local={E} H={H} I={I} layers={args.layers} | "
+        f"expert weights {gb:.2f} GB bf16 per layer"
     )
     for k, v in t.items():
         print(f"  {k:20s} {v:8.3f} ms per layer")
@@ -94,7 +95,8 @@ def adapter(args):
         before_fp8 = L * passes * (t["stack"] + t["fp8_transform"])
         after_fp8 = L * t["fp8_transform"]
         print(
-            f"  per step, 1 micro-batch, {label}: bf16 before {before_bf16:.2f} ms, after {L * t['bf16_new_transform']:.3f} ms | "
+            f"  per step, 1 micro-batch, {label}: bf16 before {before_bf16:.2f} ms, "
+            f"after {L * t['bf16_new_transform']:.3f} ms | "
             f"fp8 before {before_fp8:.2f} ms, after {after_fp8:.2f} ms"
         )
 
@@ -147,7 +149,8 @@ def fp8(args):
             floor_kernel = (n * esz + 2 * n + scale_bytes) / bw * 1e3
             floor_copies = (n + scale_bytes // 2 + 2 * n) / bw * 1e3
             print(
-                f"\n{shape} E_local={E} H={H} I={I} | {dname} masters {n * esz / 1e9:.2f} GB | per layer, median of {args.iters}"
+                f"\n{shape} E_local={E} H={H} I={I} | {dname} masters {n * esz / 1e9:.2f} GB | "
+                f"per layer, median of {args.iters}"
             )
 
             ours = quantize_expert_weights(w1, w2, cfg)
@@ -221,7 +224,8 @@ def fp8(args):
             if None not in (t_main, c_torch, t_kernel, c_kernel):
                 print(
                     f"  per optimizer step and layer, bf16 backward (transform + copies): torch as on main "
-                    f"{t_main + c_torch:.2f} ms -> kernel {t_kernel + c_kernel:.2f} ms (floor {floor_kernel + floor_copies:.2f} ms)"
+                    f"{t_main + c_torch:.2f} ms -> kernel {t_kernel + c_kernel:.2f} ms "
+                    f"(floor {floor_kernel + floor_copies:.2f} ms)"
                 )
                 print(f"  FP8 dgrad backward (transform only): kernel {t_kernel:.2f} ms (floor {floor_kernel:.2f} ms)")
             del w1, w2, ours

@@ -98,7 +98,10 @@ def _raise_on_bad_status(status: torch.Tensor, rank: int, call: int, deferred: b
     if bad:
         what = ""
         if rank in bad:
-            what = "this rank's input was rejected (an expert id outside [0, num_experts) if nothing else was reported; use -1 to mask a slot); "
+            what = (
+                "this rank's input was rejected (an expert id outside [0, num_experts) if nothing else was reported; "
+                "use -1 to mask a slot); "
+            )
         effect = (
             "that call moved no rows and its output holds only the shared experts"
             if deferred

@@ -74,7 +74,10 @@ def check_inputs(
         for name, w, shape in (("w1", w1, (E_l, 2 * I, H)), ("w2", w2, (E_l, H, I))):
             grad_acc = getattr(w, "main_grad", None)
             if grad_acc is None:
-                return f"{name}: fuse_wgrad_accumulation needs a main_grad attribute (the gradient accumulator) on the weight"
+                return (
+                    f"{name}: fuse_wgrad_accumulation needs a main_grad attribute "
+                    "(the gradient accumulator) on the weight"
+                )
             checks.append((f"{name}.main_grad", grad_acc, shape, floats))
     for name, t, shape, dtypes in checks:
         problem = _check_tensor(name, t, shape, dtypes, dev)

@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         "--stop-at",
         type=int,
         metavar="STEP",
-        help="same as --set train.stop_at=STEP: end this invocation after STEP (checkpointed); the LR schedule still runs to train.steps",
+        help="same as --set train.stop_at=STEP: end this invocation after STEP (checkpointed); "
+        "the LR schedule still runs to train.steps",
     )
     p.add_argument("--run-dir", help="same as --set run.dir=DIR")
     g = p.add_mutually_exclusive_group()

@@ -59,7 +59,8 @@ def transformer_config(recipe, on_gpu: bool = False):
         moe_z_loss_coeff=moe.z_loss_coeff,
         moe_router_dtype="fp32",
         cross_entropy_loss_fusion=recipe.perf.fused_cross_entropy and on_gpu,
-        gradient_accumulation_fusion=recipe.perf.dense_wgrad_fusion,  # perf/dense_wgrad.py gives the layers the extension
+        # perf/dense_wgrad.py gives the layers the extension
+        gradient_accumulation_fusion=recipe.perf.dense_wgrad_fusion,
         cross_entropy_fusion_impl="native",  # megatron's own (torch.compile'd); "te" needs Transformer Engine
         moe_megamoe_recipe=moe.megamoe_recipe,
         moe_megamoe_backend=moe.megamoe_backend,

@@ -411,7 +411,8 @@ class DataSection(_Section):
                 if not os.path.isfile(self.path + ext):
                     self._fail(
                         "path",
-                        f"{self.path + ext} not found (data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)",
+                        f"{self.path + ext} not found "
+                        "(data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)",
                     )
 
 

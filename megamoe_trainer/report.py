@@ -138,7 +138,8 @@ class ProgressReport:
             print(
                 f"step {step:5d}/{recipe.train.steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | "
                 f"MFU {100 * record['mfu']:.1f}% | load max/mean {imb if imb is None else format(imb, '.2f')}"
-                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'}{pacing} | "
+                f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'}"
+                f"{pacing} | "
                 f"lr {lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
                 flush=True,
             )
@@ -167,13 +168,16 @@ class ProgressReport:
             f"[megamoe-train] {'done' if last == recipe.train.steps else 'stopped (train.stop_at)'}: "
             f"steps {start_step + 1}..{last} in {wall:.1f} s "
             f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
-            f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
-            f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | metrics {self.metrics.path} | plot {self.plot_path}",
+            f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | "
+            f"loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
+            f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | "
+            f"metrics {self.metrics.path} | plot {self.plot_path}",
             flush=True,
         )
         if summary["peak_memory_gib"]:
             print(
-                f"[megamoe-train] peak memory per GPU (GiB, allocated): {', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}",
+                "[megamoe-train] peak memory per GPU (GiB, allocated): "
+                f"{', '.join(f'{x:.1f}' for x in summary['peak_memory_gib'])}",
                 flush=True,
             )
 

@@ -211,7 +211,10 @@ def _graph_conflict(config) -> Optional[str]:
         return f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})"
     if _get(config, "mtp_use_repeated_layer") and (_get(config, "mtp_num_layers") or 0) > 1:
         # the one MTP layer (MoE where the decoder's last layer is) runs mtp_num_layers forwards before any backward
-        return f"cannot be combined with a repeated MTP layer (mtp_use_repeated_layer, mtp_num_layers={config.mtp_num_layers})"
+        return (
+            "cannot be combined with a repeated MTP layer "
+            f"(mtp_use_repeated_layer, mtp_num_layers={config.mtp_num_layers})"
+        )
     return None
 
 

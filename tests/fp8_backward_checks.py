@@ -275,8 +275,9 @@ def check_shared_experts(device):
 
 def check_executor_backward_against_reference(device, recipe: str = "fp8"):
     """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, fp8 wgrads through the
-    CUTLASS K-grouped GEMM, or off CUDA through torch._grouped_mm on the same quantized operands) against the reference executor on the same padded plan and inputs (the
-    recipe: fp8, or fp8_e4m3_wgrad with the fp8 wgrads, whose pool pads experts to 128 rows), and against the oracle
+    CUTLASS K-grouped GEMM, or off CUDA through torch._grouped_mm on the same quantized operands)
+    against the reference executor on the same padded plan and inputs (the recipe: fp8, or
+    fp8_e4m3_wgrad with the fp8 wgrads, whose pool pads experts to 128 rows), and against the oracle
     with unquantized gradients (to show the check can tell them apart)."""
     cfg = MegaMoEConfig(
         num_experts=4,
@@ -487,7 +488,8 @@ def main(argv):
         for recipe, errors in run_all("cpu").items():
             for name, (err, err_unquantized) in errors.items():
                 print(
-                    f"{recipe} {name}: {err:.2e} against the oracle, {err_unquantized:.2e} against unquantized gradients"
+                    f"{recipe} {name}: {err:.2e} against the oracle, "
+                    f"{err_unquantized:.2e} against unquantized gradients"
                 )
     print("all interpreter checks passed")
 

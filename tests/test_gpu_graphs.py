@@ -1,9 +1,9 @@
 """GraphedMegaMoE (megamoe_train/graphs.py), marked `gpu`: a layer replayed from its captured
 forward and backward graphs gives the same bits as eager calls, step after step, while the
 inputs, the routing and the weights change between steps (the fp8 weight preparation is its own
-graph, replayed once per change of the weights, so a replay must read the updated weights); gradients accumulate correctly with and
-without Megatron's main_grad; recv_stats count like eager calls; calls the graph does not cover
-(no grad, another shape) run eagerly."""
+graph, replayed once per change of the weights, so a replay must read the updated weights);
+gradients accumulate correctly with and without Megatron's main_grad; recv_stats count like eager
+calls; calls the graph does not cover (no grad, another shape) run eagerly."""
 
 import pytest
 import torch

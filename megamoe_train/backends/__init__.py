@@ -56,7 +56,8 @@ def resolve_backend(name: str, buffer) -> Executor:
     if name == "triton":
         if not triton_supported(buffer):
             raise ValueError(
-                f"backend: 'triton' needs a CUDA sm90+ buffer with a recipe of {GPU_EXECUTOR_RECIPES}, dtype bf16, hidden and "
+                f"backend: 'triton' needs a CUDA sm90+ buffer with a recipe of {GPU_EXECUTOR_RECIPES}, "
+                f"dtype bf16, hidden and "
                 f"intermediate multiples of 128 and block_m 64 or 128; got {buffer.config.recipe!r} on {buffer.device}"
             )
         return _triton_executor()

@@ -174,7 +174,8 @@ class SharedMemoryPeers:
                         )
                 elif h[_FAILED]:
                     raise MegaMoEPeerError(
-                        f"rank {r} failed in {describe_failure_mark(h[_FAILED])} and left the protocol (rank {self.rank} was waiting at "
+                        f"rank {r} failed in {describe_failure_mark(h[_FAILED])} and left the protocol "
+                        f"(rank {self.rank} was waiting at "
                         f"{describe_tag(tag)})"
                     )
                 else:

@@ -15,8 +15,9 @@ names which), and one recipe section, `perf`, switches them:
 The functions below are the trainer's only calls into this package, in the order a rank makes
 them: `install` (process-global patches, before the model is built), `core_attention` (the
 layer spec), `tune_optimizer` (after the optimizer is built) and `after_checkpoint_load`,
-`host_gc` (the training loop), and `describe` (the run's first line). The MoE-specific speed-ups (CUDA graphs, fused expert wgrads,
-expert main_grads written over) are the adapter's (`megatron_patch`), switched in `moe`.
+`host_gc` (the training loop), and `describe` (the run's first line). The MoE-specific speed-ups
+(CUDA graphs, fused expert wgrads, expert main_grads written over) are the adapter's
+(`megatron_patch`), switched in `moe`.
 
 Importing this package imports neither megatron-core nor Triton: the modules load on first use.
 """

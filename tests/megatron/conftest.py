@@ -8,8 +8,9 @@ _POOL: dict[tuple[str, int], RankPool] = {}
 
 @pytest.fixture(scope="session")
 def mcore_pool():
-    """mcore_pool(backend="gloo", world=2): `world` processes (gloo on CPU; "nccl": one GPU each) with the CPU shims and Megatron's model-parallel state (EP=world), shared by
-    every Megatron test. Separate from the rank_pools processes: the shims are process-global.
+    """mcore_pool(backend="gloo", world=2): `world` processes (gloo on CPU; "nccl": one GPU each)
+    with the CPU shims and Megatron's model-parallel state (EP=world), shared by every Megatron
+    test. Separate from the rank_pools processes: the shims are process-global.
     Not daemonic: Megatron's dist-checkpoint writer starts a multiprocessing Manager."""
 
     def get(backend: str = "gloo", world: int = 2) -> RankPool:

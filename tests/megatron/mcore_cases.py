@@ -99,8 +99,8 @@ def pair(overrides, recipe="bf16"):
 
 def per_expert(named):
     """{name: tensor} of a MegaMoE model with its stacked expert tensors split into the per-expert
-    names of Megatron's SequentialMLP (`experts.fc1_weight` [E_l, 2I, H] -> `experts.local_experts.{i}.linear_fc1.weight`),
-    so it compares name by name with a stock model's."""
+    names of Megatron's SequentialMLP (`experts.fc1_weight` [E_l, 2I, H] ->
+    `experts.local_experts.{i}.linear_fc1.weight`), so it compares name by name with a stock model's."""
     out = {}
     for name, t in named.items():
         for fc in (1, 2):

@@ -21,7 +21,8 @@ def test_every_backend_name_passes_recipe_validation(tmp_path):
 
     path = tmp_path / "r.yaml"
     path.write_text(
-        "parallel: {world_size: 2, expert_parallel: 2, device: cpu}\nmodel: {hidden_size: 128, num_attention_heads: 4}\n"
+        "parallel: {world_size: 2, expert_parallel: 2, device: cpu}\n"
+        "model: {hidden_size: 128, num_attention_heads: 4}\n"
         "moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}\n"
     )
     for backend in BACKENDS:
