@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     _, fp8_rate, _ = peaks(dev)
     hbm = hbm_bandwidth()  # bytes read + written per second (the copy rate); the floors count both
     head = [
-        f"{torch.cuda.get_device_name(dev)}; dense fp8 {fp8_rate:.0f} TFLOP/s, HBM {hbm / 1e12:.2f} TB/s (read + write); "
-        f"EP{args.ep} pools; ms (TFLOP/s of routed rows)",
+        f"{torch.cuda.get_device_name(dev)}; dense fp8 {fp8_rate:.0f} TFLOP/s, "
+        f"HBM {hbm / 1e12:.2f} TB/s (read + write); EP{args.ep} pools; ms (TFLOP/s of routed rows)",
         "",
         "| shape | experts | routed rows | pool rows | path | L1 | SwiGLU | L2 | total | floor | "
         "agreement (rel. to split) |",
