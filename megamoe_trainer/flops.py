@@ -9,13 +9,27 @@ Counted per token, forward, as 2 FLOPs per multiply-add of every matrix product:
 Training = 3x forward (backward = 2x: input and weight gradients); activation recompute is not
 counted (MFU counts model FLOPs, not hardware FLOPs). Norms, rotary, softmax, SwiGLU and losses
 are elementwise and left out.
-MFU = tokens/s (global) * training FLOPs per token / (world size * peak FLOP/s per GPU).
+MFU = tokens/s (global) * training FLOPs per token / (world size * peak FLOP/s per GPU), shown
+only where a peak is known: the recipe's run.peak_tflops, else the device's entry in
+PEAK_TFLOPS_BY_GPU (none for CPUs).
 """
 
 from __future__ import annotations
 
 # Dense bf16 GEMM rate measured on one H200 (bench_layer's floor rates, 2026-11-30).
 H200_BF16_PEAK_TFLOPS = 787.0
+# per-GPU peak the MFU is relative to, by torch.cuda.get_device_name() prefix (measured rates only)
+PEAK_TFLOPS_BY_GPU = {"NVIDIA H200": H200_BF16_PEAK_TFLOPS}
+
+
+def peak_tflops(recipe, device_name: str | None) -> float | None:
+    """The per-GPU peak MFU is relative to: run.peak_tflops, else the table's entry for the GPU
+    (`device_name`; None on CPU), else None (no MFU)."""
+    if recipe.run.peak_tflops is not None:
+        return recipe.run.peak_tflops
+    if device_name is None:
+        return None
+    return next((tf for prefix, tf in PEAK_TFLOPS_BY_GPU.items() if device_name.startswith(prefix)), None)
 
 
 def _moe_layers(model) -> list[bool]:
@@ -44,8 +58,7 @@ def train_flops_per_token(recipe) -> float:
     return 3 * forward_flops_per_token(recipe)
 
 
-def mfu(recipe, tokens_per_s: float, peak_tflops: float | None = None) -> float:
-    """Model FLOPs utilization in [0, 1] of `world_size` GPUs at `peak_tflops` each (default: the
-    recipe's run.peak_tflops)."""
-    peak = (peak_tflops or recipe.run.peak_tflops) * 1e12
+def mfu(recipe, tokens_per_s: float, peak_tflops: float) -> float:
+    """Model FLOPs utilization in [0, 1] of `world_size` GPUs at `peak_tflops` each."""
+    peak = peak_tflops * 1e12
     return tokens_per_s * train_flops_per_token(recipe) / (recipe.parallel.world_size * peak)

@@ -30,6 +30,7 @@ class RankRun:
     optimizer: Any  # megatron's (chained) optimizer
     config: Any  # the run's MegaMoETransformerConfig
     corpus: Any  # data.SyntheticCorpus or data.IndexedCorpus
+    peak_tflops: float | None = None  # per-GPU peak for the MFU; None: none known for the device
 
     @property
     def is_main(self) -> bool:
@@ -61,6 +62,7 @@ def init_parallel(recipe: Recipe, device: str):
 def set_up_rank(rank: int, world: int, recipe: Recipe, run_dir: str) -> RankRun:
     """Groups, seeds, model, optimizer and data of this rank (collective), and the first line on rank 0."""
     from .data import build_corpus
+    from .flops import peak_tflops
     from .model import build_model
 
     device = "cuda" if runs_on_cuda(recipe) else "cpu"
@@ -71,7 +73,8 @@ def set_up_rank(rank: int, world: int, recipe: Recipe, run_dir: str) -> RankRun:
     t0 = time.perf_counter()
     model, optimizer, cfg = build_model(recipe, device)
     corpus = build_corpus(recipe, run_dir)
-    run = RankRun(rank, world, recipe, run_dir, device, dev, model, optimizer, cfg, corpus)
+    peak = peak_tflops(recipe, torch.cuda.get_device_name(dev) if device == "cuda" else None)
+    run = RankRun(rank, world, recipe, run_dir, device, dev, model, optimizer, cfg, corpus, peak)
     run.say(describe(run, time.perf_counter() - t0))
     return run
 
@@ -108,7 +111,8 @@ def describe(run: RankRun, built_s: float) -> str:
         f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}"
         f"{', CUDA graphs' if graphs else ''}) | "
         f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
-        f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token (MFU vs {recipe.run.peak_tflops:g} TFLOP/s per GPU) | "
+        f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token"
+        f"{f' (MFU vs {run.peak_tflops:g} TFLOP/s per GPU)' if run.peak_tflops is not None else ''} | "
         f"attention {recipe.perf.attention} | "
         f"{perf.describe(run.optimizer, recipe.train.adam_moments_dtype)}"
         f"{'expert main_grads written over, not zeroed | ' if overwrites_expert_main_grads(model) else ''}"

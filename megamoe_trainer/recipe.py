@@ -20,7 +20,6 @@ import yaml
 
 from megamoe_train.precision import RECIPES as _RECIPES
 
-from .flops import H200_BF16_PEAK_TFLOPS
 from .schema import RecipeError, from_mapping
 
 __all__ = [
@@ -79,9 +78,9 @@ class RunSection(_Section):
     save_every: int = 0  # checkpoint every N steps (and at the end); 0 = only at the end
     checkpoint: bool = True  # false: never write checkpoints (benchmarks, smoke runs)
     resume: Union[bool, Literal["auto"]] = "auto"  # auto: continue if the run dir has a checkpoint
-    peak_tflops: float = (
-        H200_BF16_PEAK_TFLOPS  # per-GPU peak the MFU is relative to (default: measured dense bf16 GEMM rate of an H200)
-    )
+    # per-GPU peak the MFU is relative to; None: the GPU's entry in flops.PEAK_TFLOPS_BY_GPU (an H200:
+    # its measured dense bf16 GEMM rate), no MFU where there is none (CPUs, other GPUs)
+    peak_tflops: Optional[float] = None
     profile_at: Optional[int] = (
         None  # torch-profile steps profile_at .. profile_at+profile_steps-1: RUN/profile/, RUN/summary.json
     )
@@ -414,6 +413,40 @@ class DataSection(_Section):
                         f"{self.path + ext} not found "
                         "(data.path is an indexed dataset prefix: PREFIX.bin + PREFIX.idx)",
                     )
+            problem = _indexed_dataset_problem(self.path)
+            if problem:
+                self._fail("path", problem)
+
+
+def _indexed_dataset_problem(prefix: str) -> str | None:
+    """What makes PREFIX.bin / PREFIX.idx unreadable as a Megatron indexed dataset (empty, a bad
+    index, a .bin shorter than its index says), or None."""
+    import logging
+
+    from megatron.core.datasets.indexed_dataset import DType, _IndexReader
+
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    if os.path.getsize(idx_path) == 0:
+        return f"{idx_path} is empty"
+    quiet = logging.getLogger("megatron.core.datasets")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the reader logs each array it maps
+    try:
+        index = _IndexReader(idx_path, multimodal=False)
+        lengths, pointers, itemsize = index.sequence_lengths, index.sequence_pointers, DType.size(index.dtype)
+        needed = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    except Exception as e:  # the reader asserts, or maps past the end of a truncated index
+        return f"{idx_path} is not a readable Megatron index ({type(e).__name__}: {e})"
+    finally:
+        quiet.setLevel(level)
+    if needed == 0:
+        return f"{idx_path} indexes no tokens"
+    size = os.path.getsize(bin_path)
+    if size == 0:
+        return f"{bin_path} is empty (its index {idx_path} describes {needed} bytes)"
+    if size < needed:
+        return f"{bin_path} holds {size} bytes, its index {idx_path} describes {needed}: it is truncated"
+    return None
 
 
 @dataclass
@@ -540,18 +573,61 @@ def apply_overrides(data: dict, overrides: list[tuple[str, Any]]) -> dict:
     return data
 
 
+def _repeated_keys(node, prefix: str = ""):
+    """RecipeError for the first key given twice in one mapping of the YAML node tree (YAML
+    itself keeps the last silently)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if key is not None and key in seen:
+                what = "section" if not prefix else "key"
+                raise RecipeError(
+                    dotted,
+                    f"{what} given twice (lines {seen[key]} and {key_node.start_mark.line + 1}); "
+                    "YAML would keep only the last: merge them",
+                )
+            seen[key] = key_node.start_mark.line + 1
+            _repeated_keys(value_node, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _repeated_keys(item, prefix)
+
+
 def read_recipe_file(path: str | os.PathLike | None) -> Any:
     """What the recipe file's YAML holds (None for an empty file), or RecipeError."""
     if path is None:
         raise RecipeError("recipe", "no recipe file given")
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise RecipeError("recipe", f"{path} is a directory, not a recipe file (e.g. recipes/tiny_moe_cpu.yaml)")
     if not os.path.isfile(path):
         raise RecipeError("recipe", f"file not found: {path}")
     try:
         with open(path) as f:
-            return yaml.safe_load(f)
+            text = f.read()
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RecipeError("recipe", f"{path} is not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError("recipe", f"cannot read {path}: {e}") from None
+    try:
+        _repeated_keys(root)
+    except RecipeError as e:
+        raise RecipeError(e.key, f"{e.reason} (in {path})") from None
+    if data is not None and not isinstance(data, dict):
+        raise RecipeError("recipe", f"{path} holds {_kind(data)}, not a mapping of sections (run:, parallel:, ...)")
+    return data
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "a list"
+    return f"a {type(value).__name__} ({value!r})" if len(repr(value)) <= 40 else f"a {type(value).__name__}"
 
 
 def load_recipe(
@@ -567,6 +643,8 @@ def load_recipe(
         data = read_recipe_file(path)
         if data is None:
             data = {}
+    if not isinstance(data, dict):
+        raise RecipeError("recipe", f"holds {_kind(data)}, not a mapping of sections (run:, parallel:, ...)")
     data, renamed = _move_old_keys(data)
     pairs = []
     for key, value in (parse_override(o) for o in overrides or []):

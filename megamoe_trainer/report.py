@@ -16,42 +16,83 @@ def _argmax(values: list[float]) -> int:
     return max(range(len(values)), key=values.__getitem__)
 
 
-class MetricsLog:
-    """metrics.jsonl in the run dir, one JSON object per logged step. On resume the records past
-    the checkpoint's step are dropped, so the file always describes one continuous run."""
+def read_metrics(path: str) -> list[dict]:
+    """The step records of a metrics.jsonl as one continuous run. The file is only appended to:
+    each invocation first writes a marker, {"event": "start" or "resume", "from_step": S, ...},
+    and the records of steps past S written before it (steps run again after a resume) drop
+    out. A line cut short by a crash is skipped."""
+    records: list[dict] = []
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return records
+    with f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if "event" in rec:
+                records = [r for r in records if r["step"] <= rec.get("from_step", 0)]
+            elif isinstance(rec.get("step"), int):
+                records.append(rec)
+    return records
 
-    def __init__(self, path: str, resume_step: int | None):
+
+class MetricsLog:
+    """metrics.jsonl in the run dir: one JSON object per logged step, after this invocation's
+    marker line (`read_metrics`). Appended to, never truncated: what an earlier invocation
+    wrote stays."""
+
+    def __init__(self, path: str, resume_step: int | None, checkpoint: str | None = None):
         self.path = path
-        kept = []
-        if resume_step is not None and os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut short by a crash
-                    if rec.get("step", 0) <= resume_step:
-                        kept.append(rec)
-        self.records = kept
-        with open(path, "w") as f:
-            for rec in kept:
-                f.write(json.dumps(rec) + "\n")
+        self.records = [r for r in read_metrics(path) if r["step"] <= resume_step] if resume_step is not None else []
+        # a record appended to a line cut short by a crash would be lost with it
+        self._newline = os.path.exists(path) and os.path.getsize(path) > 0 and not _ends_with_newline(path)
+        self._write(
+            {
+                "event": "start" if resume_step is None else "resume",
+                "from_step": resume_step or 0,
+                "checkpoint": checkpoint,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+        )
+
+    def _write(self, record: dict):
+        with open(self.path, "a") as f:
+            f.write(("\n" if self._newline else "") + json.dumps(record) + "\n")
+        self._newline = False
 
     def append(self, record: dict):
         self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._write(record)
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 class ProgressReport:
     """Turns each step's numbers into its metrics.jsonl record, the progress line (every
     run.log_every steps, and the first and last step of the invocation) and progress.png."""
 
-    def __init__(self, recipe, run_dir: str, resume_step: int | None, first_step: int, last_step: int):
-        from .flops import mfu
-
-        self.recipe, self.first_step, self.last_step, self.mfu = recipe, first_step, last_step, mfu
-        self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), resume_step)
+    def __init__(
+        self,
+        recipe,
+        run_dir: str,
+        resume_step: int | None,
+        first_step: int,
+        last_step: int,
+        peak_tflops: float | None = None,
+        checkpoint: str | None = None,
+    ):
+        self.recipe, self.first_step, self.last_step = recipe, first_step, last_step
+        self.peak_tflops = peak_tflops  # None: no MFU (no peak known for the device)
+        self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), resume_step, checkpoint)
         self.plot_path = os.path.join(run_dir, "progress.png")
         moe = recipe.moe
         self.title = (
@@ -84,7 +125,7 @@ class ProgressReport:
             "lr": lr,
             "grad_norm": None if math.isnan(grad_norm) else grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.mfu(recipe, tokens_per_s),
+            "mfu": self.mfu(tokens_per_s),
             "step_time_s": step_time,
             "skipped": ok_count < dp,
             "consumed_samples": consumed,
@@ -137,7 +178,7 @@ class ProgressReport:
             self.window.clear()
             print(
                 f"step {step:5d}/{recipe.train.steps} | loss {record['loss']:.4f}{avg} | {tokens_per_s:7.0f} tok/s | "
-                f"MFU {100 * record['mfu']:.1f}% | load max/mean {imb if imb is None else format(imb, '.2f')}"
+                f"{self._mfu_text(record['mfu'])}load max/mean {imb if imb is None else format(imb, '.2f')}"
                 f"{'' if imb is None else ' (worst layer ' + format(record['load_imbalance_worst_layer'], '.2f') + ')'}"
                 f"{pacing} | "
                 f"lr {lr:.2e} | grad norm {gn if gn is None else format(gn, '.3f')}",
@@ -145,6 +186,16 @@ class ProgressReport:
             )
         if recipe.run.plot_every and step % recipe.run.plot_every == 0:
             self.plot()
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        from .flops import mfu
+
+        return None if self.peak_tflops is None else mfu(self.recipe, tokens_per_s, self.peak_tflops)
+
+    @staticmethod
+    def _mfu_text(value: float | None, before: str = "", end: str = " | ") -> str:
+        """'MFU 12.3%' between `before` and `end`; nothing where no peak is known."""
+        return "" if value is None else f"{before}MFU {100 * value:.1f}%{end}"
 
     def plot(self):
         plot_progress(self.metrics.records, self.plot_path, self.title)
@@ -167,8 +218,8 @@ class ProgressReport:
         print(
             f"[megamoe-train] {'done' if last == recipe.train.steps else 'stopped (train.stop_at)'}: "
             f"steps {start_step + 1}..{last} in {wall:.1f} s "
-            f"({tps:.0f} tok/s, MFU {100 * mfu(recipe, tps):.1f}% over the steps; median after the first {warm}: "
-            f"{steady:.0f} tok/s, MFU {100 * mfu(recipe, steady):.1f}%) | "
+            f"({tps:.0f} tok/s{self._mfu_text(mfu(tps), before=', ', end='')} over the steps; "
+            f"median after the first {warm}: {steady:.0f} tok/s{self._mfu_text(mfu(steady), before=', ', end='')}) | "
             f"loss {records[0]['loss']:.4f} (step {records[0]['step']}) -> "
             f"{records[-1]['loss']:.4f} (step {records[-1]['step']}) | "
             f"metrics {self.metrics.path} | plot {self.plot_path}",

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch.distributed as dist
@@ -28,14 +29,15 @@ from .step_stats import StepClock, StepStats
 __all__ = ["run_rank"]
 
 
-def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: bool):
-    """Entry of every rank (torch.distributed is initialized by the launcher)."""
+def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume_from: str | None):
+    """Entry of every rank (torch.distributed is initialized by the launcher); resume_from: the
+    checkpoint to continue from (verified by the launcher), None to start at step 1."""
     recipe = Recipe.from_dict(recipe_dict)
     run = set_up_rank(rank, world, recipe, run_dir)
 
     checkpoints = RunCheckpoints(run_dir, recipe, run.model, run.optimizer, run.device)
     start_step, consumed = 0, 0
-    resumed = checkpoints.resume() if resume else None
+    resumed = checkpoints.resume(resume_from) if resume_from is not None else None
     if resumed is not None:
         perf.after_checkpoint_load(recipe.perf, run.optimizer)
         start_step, consumed = resumed["step"], resumed["consumed_samples"]
@@ -48,9 +50,11 @@ def run_rank(rank: int, world: int, recipe_dict: dict, run_dir: str, resume: boo
             f"(train.steps={recipe.train.steps}, train.stop_at={recipe.train.stop_at})"
         )
 
-    report = (
-        ProgressReport(recipe, run_dir, start_step if resumed else None, start_step + 1, last) if run.is_main else None
-    )
+    report = None
+    if run.is_main:
+        checkpoint = os.path.basename(resumed["path"]) if resumed else None
+        resume_step = start_step if resumed else None
+        report = ProgressReport(recipe, run_dir, resume_step, start_step + 1, last, run.peak_tflops, checkpoint)
     profiler = StepProfiler(recipe, run_dir, run.model, rank) if recipe.run.profile_at else None
     host_gc = perf.host_gc(recipe.perf)  # after the model and corpus exist
     stats = StepStats(run, host_gc, report)
