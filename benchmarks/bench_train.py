@@ -11,7 +11,8 @@ and from base, alternating, two rounds.
 Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Reported per variant:
 - tokens/s: median of the per-step global tokens/s after the warm-up steps, profiled steps and the
   one after them (it holds the trace export) excluded;
-- MFU at that rate (FLOPs-per-token formula in docs/trainer.md, peak = recipe run.peak_tflops);
+- MFU at that rate (FLOPs-per-token formula in docs/trainer.md; peak = run.peak_tflops or the GPU's
+  entry in flops.PEAK_TFLOPS_BY_GPU; n/a where none is known, e.g. on CPU);
 - GPU busy: union of kernel/copy intervals over wall time of `--profile-steps` steps under the torch
   profiler (rank 0; CUDA only), and the MoE layers' share of kernel time;
 - peer wait: ms per step the MegaMoE barriers of the most-waiting rank stood still for their
@@ -97,8 +98,9 @@ VARIANTS = {
 
 
 def _records(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from megamoe_trainer.report import read_metrics
+
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def run_variant(
@@ -165,7 +167,7 @@ def analyze(result: dict, warmup: int, untimed: set[int], reference: dict | None
     recs = result["records"]
     timed = [r for r in recs if r["step"] > warmup and r["step"] not in untimed] or recs
     tps = statistics.median(r["tokens_per_s"] for r in timed)
-    mfu = statistics.median(r["mfu"] for r in timed)
+    mfu = _median([r.get("mfu") for r in timed])  # None where no peak is known (CPU)
     prof = (result["summary"].get("profile") or [None])[0]
     row = {
         "variant": result["variant"],

@@ -1,5 +1,9 @@
 """A pool of real processes, one per rank, joined in a process group (gloo on CPU, NCCL on GPUs), that runs test
-functions on every rank. Starting processes is the slow part, so one pool serves many tests."""
+functions on every rank. Starting processes is the slow part, so one pool serves many tests.
+
+Results are waited for as long as the ranks live (`next_result`), not for a fixed time: a
+busy machine only makes the ranks slower, a rank that dies fails the test at once, and a test
+that hangs is ended by pytest-timeout (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,29 @@ import torch.multiprocessing as mp
 from megamoe_train.launch import free_port
 
 STOP = "stop"
+_POLL_S = 1.0  # how often a wait for results looks at the processes
+
+
+def next_result(results, procs, what: str, timeout: float | None = None):
+    """The next item of the `results` queue, waiting while no process in `procs` has failed (a
+    nonzero exit) and some is alive; `timeout`: a limit in seconds, None for none."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+        try:
+            return results.get(timeout=wait)
+        except queue.Empty:
+            pass
+        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            raise AssertionError(f"{what}: rank {rank} exited with code {code} before returning its result")
+        if all(p.exitcode is not None for p in procs):
+            raise AssertionError(f"{what}: every rank exited, results are missing")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: ranks did not finish within {timeout}s")
 
 
 def _worker(rank, world_size, port, backend, tasks, results):
@@ -55,22 +82,23 @@ class RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn, *args, timeout: float = 180, **kwargs):
+    def run(self, fn, *args, timeout: float | None = None, **kwargs):
         """fn(rank, world_size, *args, **kwargs) on every rank; per-rank results in rank order.
-        fn must be importable by name (a module-level function of a test module)."""
+        fn must be importable by name (a module-level function of a test module). Waits as long
+        as the ranks live, or `timeout` seconds where given."""
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out, errors = [None] * self.world_size, []
         for _ in range(self.world_size):
             # once a rank failed, its peers may wait forever inside a collective: give them a little time
-            wait = min(timeout, 20) if errors else timeout
+            wait = 20 if errors else timeout
             try:
-                rank, ok, value = self.results.get(timeout=wait)
-            except queue.Empty:
+                rank, ok, value = next_result(self.results, self.procs, fn.__name__, wait)
+            except (TimeoutError, AssertionError):
                 self.close(force=True)
                 if errors:
                     break
-                raise TimeoutError(f"{fn.__name__}: ranks did not finish within {timeout}s") from None
+                raise
             if ok:
                 out[rank] = value
             else:

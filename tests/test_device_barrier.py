@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rank_pool import next_result
 
 
 def _triton_version():
@@ -71,7 +72,7 @@ def _barrier_rank(rank, memories, records, waits, steps, results):
         )
 
 
-def run_ranks(steps, timeout=240):
+def run_ranks(steps):
     """Each rank's memory: its barrier area (area_offset 0), then one status slot [WORLD, 4] int32."""
     from megamoe_train.faults import RECORD_WORDS
 
@@ -88,7 +89,7 @@ def run_ranks(steps, timeout=240):
     try:
         out = {}
         for _ in range(WORLD):
-            rank, done, exchanged, err, fault = results.get(timeout=timeout)
+            rank, done, exchanged, err, fault = next_result(results, procs, "device barrier ranks")
             out[rank] = dict(
                 done=done,
                 exchanged=exchanged,
@@ -154,7 +155,7 @@ def test_rank_that_left_the_protocol_stops_its_peer_at_once():
         0: [("barrier", 21, 30.0), ("barrier", 22, 1000.0)],
         1: [("barrier", 21, 30.0), ("sleep", 0.5), ("mark_failed", 20)],
     }
-    out, _ = run_ranks(steps, timeout=120)
+    out, _ = run_ranks(steps)
     assert "rank 1 failed in call 5 and left the protocol" in out[0]["fault"], out[0]
 
 

@@ -49,7 +49,7 @@ print("install ok")
 
 def test_install_is_idempotent_and_cpu_runs_megatron_code():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", INSTALL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", INSTALL_CHECK], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and "install ok" in run.stdout, f"{run.stdout}\n{run.stderr[-4000:]}"
 
 

@@ -4,7 +4,6 @@ CUDA training run with the kernel against one without it."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,8 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 
 from interpreted import run_interpreted  # noqa: E402
+
+from megamoe_trainer.report import read_metrics  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -136,8 +137,7 @@ def test_training_with_the_adam_kernel_matches_torch_adam(tmp_path):
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
         assert ("AdamW kernel writes the bf16 params" in proc.stdout) == (on == "true"), proc.stdout
-        with open(os.path.join(run, "metrics.jsonl")) as f:
-            runs[name] = [json.loads(line) for line in f if line.strip()]
+        runs[name] = read_metrics(os.path.join(run, "metrics.jsonl"))
     kernel, ref = runs["kernel"], runs["torch"]
     assert len(kernel) == len(ref) == 5
     assert kernel[0]["loss"] == ref[0]["loss"]
@@ -180,8 +180,7 @@ def _tiny_cuda_run(run_dir, *overrides, steps=5):
         [sys.executable, "-m", "megamoe_trainer", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()], proc.stdout
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl")), proc.stdout
 
 
 @pytest.mark.gpu

@@ -43,7 +43,6 @@ def test_bench_train_cpu(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=150,
         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -55,7 +54,7 @@ def test_bench_train_cpu(tmp_path):
     assert set(rows) == {"bf16", "fp8", "stock"}
     for name, r in rows.items():
         assert r["steps"] == 5 and len(r["losses"]) == 5
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["tokens_per_s"] > 0 and r["mfu"] is None  # no peak known for a CPU
         prof = r["profile_rank0"]
         assert prof["steps"] == [2, 3] and prof["moe_ranges"] == 2 * 2 * 2  # 2 steps x 2 MoE layers x (fwd, bwd)
         assert r["gpu_busy_fraction"] is None and r["peak_memory_gib"] is None  # CPU: no GPU numbers
@@ -101,7 +100,6 @@ def test_bench_train_another_tree_and_repeats(tmp_path):
         cwd=str(tmp_path),
         capture_output=True,
         text=True,
-        timeout=240,
         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -16,35 +16,11 @@ from megamoe_trainer.cli import quiet
 
 quiet()
 
+from cli_runs import ROOT, SMALL, TINY, cli_env, metrics, run_cli  # noqa: E402
+
 from megamoe_trainer.recipe import RecipeError, load_recipe  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
-TINY = os.path.join(ROOT, "recipes", "tiny_moe_cpu.yaml")
-
-# A smaller model than the recipe's, so a few steps take seconds.
-SMALL = [
-    "--set",
-    "model.num_layers=2",
-    "--set",
-    "model.hidden_size=64",
-    "--set",
-    "model.num_attention_heads=4",
-    "--set",
-    "model.ffn_hidden_size=128",
-    "--set",
-    "model.seq_length=32",
-    "--set",
-    "moe.ffn_hidden_size=64",
-    "--set",
-    "train.micro_batch_size=4",
-    "--set",
-    "train.warmup_steps=2",
-    "--set",
-    "run.log_every=1",
-    "--set",
-    "run.plot_every=0",
-]
 
 
 def test_recipes_exist():
@@ -206,26 +182,68 @@ def test_bad_recipe_file(tmp_path, capsys):
     assert "run.sede: unknown key (did you mean 'seed'?)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("- run\n- train\n", "holds a list, not a mapping of sections"),
+        ("42\n", "holds a int (42), not a mapping of sections"),
+        (
+            "train: {steps: 3}\nmodel: {hidden_size: 64}\ntrain: {lr: 0.1}\n",
+            "train: section given twice (lines 1 and 3)",
+        ),
+        ("train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n", "train.lr: key given twice (lines 2 and 4)"),
+    ],
+)
+def test_a_recipe_that_is_not_one_mapping_of_sections(tmp_path, capsys, text, message):
+    """A list or scalar at the top, or a section or key given twice (YAML keeps the last
+    silently): one line naming the file and what is wrong, exit 2, before any rank starts."""
+    path = _write(tmp_path, text)
+    assert cli_main([path, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and path in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_directory_as_the_recipe(tmp_path, capsys):
+    assert cli_main([str(tmp_path)]) == 2
+    assert f"error: recipe: {tmp_path} is a directory, not a recipe file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["empty .bin", "truncated .bin", "empty .idx", "truncated .idx", "random .idx"])
+def test_an_unreadable_indexed_dataset_is_named(tmp_path, capsys, damage):
+    """data.path's files checked before any rank starts: one line naming the file, exit 2 (it
+    was megatron's 'cannot mmap an empty file' / 'offset must be non-negative' in a rank)."""
+    from megamoe_trainer.data import write_synthetic_indexed
+
+    prefix = write_synthetic_indexed(str(tmp_path / "corpus" / "synth"), num_documents=200, vocab_size=256)
+    assert load_recipe(TINY, [f"data.path={prefix}"]).data.path == prefix  # intact: accepted
+    kind, ext = damage.split()
+    path = prefix + ext
+    size = os.path.getsize(path)
+    if kind == "random":
+        with open(path, "wb") as f:
+            f.write(os.urandom(size))
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(0 if kind == "empty" else size // 2)
+    assert cli_main([TINY, "--set", f"data.path={prefix}", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: data.path: {path}" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
     assert cli_main([TINY, "--run-dir", str(tmp_path / "empty"), "--resume"]) == 2
     assert "run.resume" in capsys.readouterr().err
 
 
-def _run_cli(args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "megamoe_trainer", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+_run_cli = run_cli
+_metrics = metrics
 
 
 def test_console_entry_rejects_bad_recipe_cleanly(tmp_path):
-    code, out, err = _run_cli([_write(tmp_path, BASE), "--set", "parallel.expert_parallel=3"], timeout=120)
+    code, out, err = _run_cli([_write(tmp_path, BASE), "--set", "parallel.expert_parallel=3"])
     assert code == 2
     assert "megamoe-train: error: parallel.expert_parallel: 3 does not divide parallel.world_size=2" in err
     assert "Traceback" not in err and "Warning" not in err, err
@@ -302,13 +320,16 @@ def test_train_checkpoint_resume(tmp_path):
     assert code == 0 and "nothing to do: the checkpoint is at step 6" in out and "done:" not in out, out + err
     with open(os.path.join(ref, "summary.json")) as f:
         assert json.load(f) == ref_summary  # not overwritten by the invocation that ran no step
-    # starting over in a run dir with checkpoints: checkpoints/latest goes at once, so a new run
-    # that dies before its first save is not resumed from the old run's checkpoint
+    # starting over in a run dir with checkpoints: --no-resume removes the earlier run's outputs
+    # and says which, so a new run that dies before its first save is not resumed from them
     code, out, err = _run_cli(
         [TINY, *SMALL, "--run-dir", ref, "--steps", "1", "--no-resume", "--set", "run.checkpoint=false"]
     )
-    assert code == 0 and "starting over" in out and "step     1/1" in out, out + err
-    assert not os.path.exists(os.path.join(ref, "checkpoints", "latest"))
+    assert code == 0 and "step     1/1" in out, out + err
+    assert "starting over in" in out and "removed checkpoints/ (step_0000006)" in out, out
+    assert "metrics.jsonl (6 steps), summary.json" in out, out
+    assert not os.path.exists(os.path.join(ref, "checkpoints"))
+    assert [r["step"] for r in _metrics(ref)] == [1]
 
     # the MegaMoE run's checkpoint (model + optimizer) continues with Megatron's stock MoE layers
     # (same parameters and checkpoint keys), and a finished run given more steps continues
@@ -352,7 +373,6 @@ def test_a_rank_that_raises_ends_the_job_promptly(tmp_path):
     with the rank's error at once (its MegaMoE buffers' release barrier would have waited out its
     300 s timeout for the blocked peer, and the launcher ends the other ranks only then)."""
     script = _write(tmp_path, _FAILING_RANK, "failing_rank.py")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [
             sys.executable,
@@ -367,10 +387,10 @@ def test_a_rank_that_raises_ends_the_job_promptly(tmp_path):
             "run.checkpoint=false",
         ],
         cwd=ROOT,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=280,  # promptly: well before the 300 s release barrier it once waited out
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "megamoe-train: error: rank 1 failed: RuntimeError: injected data failure" in proc.stderr, proc.stderr

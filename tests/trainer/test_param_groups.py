@@ -86,6 +86,5 @@ def test_no_weight_decay_on_norms_and_recipe_hyperparams_after_a_load(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert proc.returncode == 0 and "param groups ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
