@@ -144,9 +144,8 @@ def test_moved_keys_are_read_at_their_new_place(tmp_path, capsys):
     from megamoe_trainer.recipe import MOVED_KEYS
 
     assert set(MOVED_KEYS.values()) == {f"perf.{f}" for f in load_recipe(TINY, deep=False).perf.__dataclass_fields__}
-    old = _write(
-        tmp_path, BASE + "train: {fused_optimizer: false, manual_gc: true}\nmodel: {attention: megatron}\n", "old.yaml"
-    )
+    old_base = BASE.replace("num_attention_heads: 4}", "num_attention_heads: 4, attention: megatron}")
+    old = _write(tmp_path, old_base + "train: {fused_optimizer: false, manual_gc: true}\n", "old.yaml")
     recipe = load_recipe(old, ["moe.fused_router_topk=false"], deep=False)
     p = recipe.perf
     assert (p.fused_optimizer, p.manual_gc, p.attention, p.fused_router_topk) == (False, True, "megatron", False)
@@ -247,11 +246,6 @@ def test_console_entry_rejects_bad_recipe_cleanly(tmp_path):
     assert code == 2
     assert "megamoe-train: error: parallel.expert_parallel: 3 does not divide parallel.world_size=2" in err
     assert "Traceback" not in err and "Warning" not in err, err
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_train_checkpoint_resume(tmp_path):
