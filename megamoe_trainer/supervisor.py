@@ -122,6 +122,8 @@ def guard_rank(rank_tmp: str):
 
 
 def _rank_process(rank: int, target: Callable, args: tuple, lock: _InheritedFd | None, run_tmp: str):
+    """A rank: `lock` is only held (its descriptor stays open for the process's life, so the run
+    dir stays locked while this rank runs)."""
     rank_tmp = os.path.join(run_tmp, f"r{rank}")
     guard_rank(rank_tmp)
     try:

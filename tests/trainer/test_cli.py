@@ -197,7 +197,7 @@ def test_a_recipe_that_is_not_one_mapping_of_sections(tmp_path, capsys, text, me
     """A list or scalar at the top, or a section or key given twice (YAML keeps the last
     silently): one line naming the file and what is wrong, exit 2, before any rank starts."""
     path = _write(tmp_path, text)
-    assert cli_main([path, "--run-dir", str(tmp_path / "run")]) == 2
+    assert cli_main([path, "--run-dir", str(tmp_path / "run"), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert message in err and path in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
@@ -226,7 +226,8 @@ def test_an_unreadable_indexed_dataset_is_named(tmp_path, capsys, damage):
     else:
         with open(path, "r+b") as f:
             f.truncate(0 if kind == "empty" else size // 2)
-    assert cli_main([TINY, "--set", f"data.path={prefix}", "--run-dir", str(tmp_path / "run")]) == 2
+    argv = [TINY, *SMALL, "--steps", "1", "--set", "run.checkpoint=false", "--run-dir", str(tmp_path / "run")]
+    assert cli_main([*argv, "--set", f"data.path={prefix}"]) == 2
     err = capsys.readouterr().err
     assert f"error: data.path: {path}" in err, err
     assert len(err.strip().splitlines()) == 1, err
