@@ -286,6 +286,6 @@ def test_group_arrays_on_the_host(tmp_path):
     if build.returncode != 0 and "unsupported gpu architecture" in build.stderr.lower():
         pytest.skip(f"nvcc cannot target sm_90a: {build.stderr.strip()[:200]}")
     assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:]
     assert "OK (0 failures)" in run.stdout

@@ -10,7 +10,7 @@ from interpreted import run_interpreted  # noqa: E402
 
 
 def _run_checks(*args):
-    run_interpreted("fp8_backward_checks.py", "all interpreter checks passed", *args, timeout=300)
+    run_interpreted("fp8_backward_checks.py", "all interpreter checks passed", *args)
 
 
 def test_fp8_backward_kernels_in_triton_interpreter():
