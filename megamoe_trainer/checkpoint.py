@@ -330,8 +330,8 @@ def _load(path: str, model, optimizer, device: str, rank: int) -> dict:
 
 
 class RunCheckpoints:
-    """The checkpoints of one run dir as the training loop uses them: resume from the latest,
-    save every run.save_every steps (not at the invocation's last step) and at the end unless
+    """The checkpoints of one run dir as the training loop uses them: resume from the one the
+    launcher chose (`find_resume_checkpoint`), save every run.save_every steps (not at the invocation's last step) and at the end unless
     that step is saved already; nothing is written with run.checkpoint false. Collective."""
 
     def __init__(self, run_dir: str, recipe, model, optimizer, device: str):
