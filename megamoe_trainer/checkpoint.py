@@ -331,8 +331,9 @@ def _load(path: str, model, optimizer, device: str, rank: int) -> dict:
 
 class RunCheckpoints:
     """The checkpoints of one run dir as the training loop uses them: resume from the one the
-    launcher chose (`find_resume_checkpoint`), save every run.save_every steps (not at the invocation's last step) and at the end unless
-    that step is saved already; nothing is written with run.checkpoint false. Collective."""
+    launcher chose (`find_resume_checkpoint`), save every run.save_every steps (not at the
+    invocation's last step) and at the end unless that step is saved already; nothing is
+    written with run.checkpoint false. Collective."""
 
     def __init__(self, run_dir: str, recipe, model, optimizer, device: str):
         self.run_dir, self.recipe = run_dir, recipe

@@ -2,8 +2,9 @@
 functions on every rank. Starting processes is the slow part, so one pool serves many tests.
 
 Results are waited for as long as the ranks live (`next_result`), not for a fixed time: a
-busy machine only makes the ranks slower, a rank that dies fails the test at once, and a test
-that hangs is ended by pytest-timeout (pyproject.toml)."""
+busy machine only makes the ranks slower, a rank that dies fails the run as soon as the others
+have answered (or had a short grace: they may wait for it forever), and a test that hangs is
+ended by pytest-timeout (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,18 @@ STOP = "stop"
 _POLL_S = 1.0  # how often a wait for results looks at the processes
 
 
-def next_result(results, procs, what: str, timeout: float | None = None):
-    """The next item of the `results` queue, waiting while no process in `procs` has failed (a
-    nonzero exit) and some is alive; `timeout`: a limit in seconds, None for none."""
+class RankDied(AssertionError):
+    """A rank process exited with a nonzero code before returning its result."""
+
+    def __init__(self, what: str, rank: int, code: int):
+        self.rank, self.code = rank, code
+        super().__init__(f"{what}: rank {rank} exited with code {code} before returning its result")
+
+
+def next_result(results, procs, what: str, timeout: float | None = None, dead: frozenset = frozenset()):
+    """The next item of the `results` queue, waiting while the processes in `procs` live:
+    RankDied for one that exits with a nonzero code (but those in `dead`, already reported);
+    `timeout`: a limit in seconds, None for none."""
     import time
 
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -31,10 +41,9 @@ def next_result(results, procs, what: str, timeout: float | None = None):
             return results.get(timeout=wait)
         except queue.Empty:
             pass
-        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            raise AssertionError(f"{what}: rank {rank} exited with code {code} before returning its result")
+        for rank, p in enumerate(procs):
+            if rank not in dead and p.exitcode not in (None, 0):
+                raise RankDied(what, rank, p.exitcode)
         if all(p.exitcode is not None for p in procs):
             raise AssertionError(f"{what}: every rank exited, results are missing")
         if deadline is not None and time.monotonic() >= deadline:
@@ -88,12 +97,16 @@ class RankPool:
         as the ranks live, or `timeout` seconds where given."""
         for q in self.tasks:
             q.put((fn, args, kwargs))
-        out, errors = [None] * self.world_size, []
+        out, errors, dead = [None] * self.world_size, [], set()
         for _ in range(self.world_size):
             # once a rank failed, its peers may wait forever inside a collective: give them a little time
             wait = 20 if errors else timeout
             try:
-                rank, ok, value = next_result(self.results, self.procs, fn.__name__, wait)
+                rank, ok, value = next_result(self.results, self.procs, fn.__name__, wait, frozenset(dead))
+            except RankDied as died:
+                dead.add(died.rank)
+                errors.append(f"--- rank {died.rank} ---\n{died}")
+                continue
             except (TimeoutError, AssertionError):
                 self.close(force=True)
                 if errors:
