@@ -56,17 +56,14 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
     def l2_cutlass():
         cutlass_gemm.fp8_grouped_gemm(act, act_s, w2q, w2s, ends, out)
 
-    def fused_l1():
-        cutlass_gemm.fp8_expert_gemm_swiglu(xq, xs, w1q, w1s, ends, row_w, 128, None, h, act, act_s)
+    def fused_l1(variant=0):
+        cutlass_gemm.fp8_expert_gemm_swiglu(xq, xs, w1q, w1s, ends, row_w, 128, None, h, act, act_s, variant)
 
-    def ours_l1_plain():
-        cutlass_gemm.fp8_expert_gemm(xq, xs, w1q, w1s, ends, h)
+    def ours_l1_plain(variant=0):
+        cutlass_gemm.fp8_expert_gemm(xq, xs, w1q, w1s, ends, h, variant)
 
-    def ours_l1_plain_single():  # no CTA pairs (A not multicast)
-        cutlass_gemm.fp8_expert_gemm(xq, xs, w1q, w1s, ends, h, variant=1)
-
-    def l2_ours():
-        cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out)
+    def l2_ours(variant=0):
+        cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out, variant)
 
     # agreement first: the fused L1 + L2 against the split path on the same inputs
     split_l1()
@@ -81,6 +78,8 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
     err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
     del ref_h, ref_out
 
+    # variants (csrc/cuda/expert_gemm.h): 0 staged schedule with CTA pairs, 1 staged without
+    # pairs, 2 the first schedule with pairs
     t = {
         name: median_ms(fn, iters=20, warmup=3)
         for name, fn in (
@@ -89,8 +88,11 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
             ("CUTLASS L2", l2_cutlass),
             ("fused L1+SwiGLU", fused_l1),
             ("ours L1 plain", ours_l1_plain),
-            ("ours L1 plain single", ours_l1_plain_single),
+            ("ours L1 plain single", lambda: ours_l1_plain(1)),
             ("ours L2", l2_ours),
+            ("first L1+SwiGLU", lambda: fused_l1(2)),
+            ("first L1 plain", lambda: ours_l1_plain(2)),
+            ("first L2", lambda: l2_ours(2)),
         )
     }
     f1, f2 = 2.0 * useful * H * 2 * I, 2.0 * useful * I * H
@@ -99,6 +101,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
     floor1 = max(f1 / (fp8_rate * 1e12), bytes1 / hbm) * 1e3
     floor2 = max(f2 / (fp8_rate * 1e12), bytes2 / hbm) * 1e3
     split, fused = t["split L1"] + t["split SwiGLU"] + t["CUTLASS L2"], t["fused L1+SwiGLU"] + t["ours L2"]
+    first = t["first L1+SwiGLU"] + t["first L2"]
 
     def tf(flops, ms):
         return f"{flops / ms / 1e9:.0f}"
@@ -112,6 +115,9 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
         f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}); no pairs {t['ours L1 plain single']:.3f} | - | "
         f"{t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
         f"| {fused:.3f} | {floor1 + floor2:.3f} | h {err_h:.1e}, y {err_out:.1e} |",
+        f"| {shape} | {G} | {useful} | {P} | fused, first schedule | {t['first L1+SwiGLU']:.3f} "
+        f"({tf(f1, t['first L1+SwiGLU'])}); plain {t['first L1 plain']:.3f} ({tf(f1, t['first L1 plain'])}) | - | "
+        f"{t['first L2']:.3f} ({tf(f2, t['first L2'])}) | {first:.3f} | {floor1 + floor2:.3f} | |",
     ]
     for line in lines:
         print(line, flush=True)

@@ -31,12 +31,12 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, bool kPair>
+template <bool kSwiGLU, bool kPair, bool kStaged>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
-  constexpr size_t smem = sizeof(expert_sm90::SharedStorage) + 1024;  // + alignment slack
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair>;
+  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<kStaged>) + 1024;  // + alignment slack
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -83,7 +83,10 @@ const char* launch(const ExpertGemmArgs& a) {
                    : "N and K must be multiples of 128 (K > 0)";
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
-  if (a.variant < 0 || a.variant > 1) return "variant must be 0 or 1";
+  if (a.variant < 0 || a.variant > 3) return "variant must be in [0, 3]";
+  // the staged epilogue's 16-byte row stores
+  if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
+    return "out and act must be 16-byte aligned";
   if (a.pool_rows == 0) return "";
   Params p{};
   if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, expert_sm90::kBlockM / 2); e[0]) return e;
@@ -105,7 +108,10 @@ const char* launch(const ExpertGemmArgs& a) {
 
   const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  return units_per_tile % 2 == 0 && a.variant == 0 ? run<kSwiGLU, true>(p, a.device, stream) : run<kSwiGLU, false>(p, a.device, stream);
+  const bool pair = units_per_tile % 2 == 0 && !(a.variant & 1);
+  if (a.variant & 2)
+    return pair ? run<kSwiGLU, true, false>(p, a.device, stream) : run<kSwiGLU, false, false>(p, a.device, stream);
+  return pair ? run<kSwiGLU, true, true>(p, a.device, stream) : run<kSwiGLU, false, true>(p, a.device, stream);
 }
 
 }  // namespace

@@ -33,7 +33,10 @@ struct ExpertGemmArgs {
   int chunk;                 // SwiGLU only
   float clamp;               // SwiGLU only, used where has_clamp
   bool has_clamp;
-  int variant;               // 0: 2-CTA clusters sharing A where a tile has an even block count; 1: never
+  // bit 0 set: no 2-CTA clusters (else they share A where a tile has an even block count);
+  // bit 1 set: the first schedule (epilogue after each block, stored from the fragments), else
+  // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory)
+  int variant;
   void* stream;
   int device;
 };

@@ -25,6 +25,12 @@
 //   backward reads is stored bf16, so SwiGLU is computed from the same rounded values the split
 //   path's SwiGLU kernel reads), then the matching up block of the same rows, and quantizes
 //   silu(gate) * up * w_row per 128 columns: one unit's output is exactly one scale block.
+// - kStaged (the default schedule): each math warpgroup walks its output blocks as one stream of
+//   K blocks, and a finished block's epilogue runs after the next block's first wgmmas are issued,
+//   so the tensor cores work through the epilogue. The epilogue goes through shared memory: the
+//   accumulator fragments (8 rows x 16 bytes per warp store, one L1 wavefront per row) are written
+//   to a padded buffer and copied out as whole 256-byte rows. Without kStaged (the first version,
+//   kept for comparisons) the fragments are stored to global memory directly after each block.
 #pragma once
 
 #include <cuda.h>
@@ -49,24 +55,30 @@ using namespace cute;
 constexpr int kBlockM = 128;   // pool rows per tile: two math warpgroups of 64
 constexpr int kBlockN = 128;   // output columns per block (a weight scale block)
 constexpr int kBlockK = 128;   // one 128-byte swizzle row of e4m3, and one scale block deep
-constexpr int kStages = 6;     // 32 KB per stage (A and B tiles)
 constexpr int kThreads = 384;  // producer warpgroup + two math warpgroups
 constexpr int kMaxGroups = 1024;
 constexpr int kMathThreads = 256;
+// The staging buffer of a math warpgroup: its 64 rows of a 128-column block, rows padded by 16
+// bytes so the fragment writes (8 rows x 4 threads per warp) fall into 32 distinct banks.
+constexpr int kStagingPitch = 2 * kBlockN + 16;
 
 using Element = cutlass::float_e4m3_t;
-using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                           Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{}));
-using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                           Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{}));
 using TiledMma = decltype(make_tiled_mma(
     SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockK>>>(),
     Layout<Shape<_2, _1, _1>>{}));
 constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK;
 
+// 32 KB per stage (A and B tiles): 6 stages, or 5 beside the 34 KB staging buffers.
+template <bool kStaged>
 struct alignas(1024) SharedStorage {
-  cute::array_aligned<Element, cosize_v<SmemLayoutA>, 1024> a;
-  cute::array_aligned<Element, cosize_v<SmemLayoutB>, 1024> b;
+  static constexpr int kStages = kStaged ? 5 : 6;
+  using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                         Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{}));
+  using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                         Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{}));
+  cute::array_aligned<Element, cosize_v<LayoutA>, 1024> a;
+  cute::array_aligned<Element, cosize_v<LayoutB>, 1024> b;
+  cute::array_aligned<uint8_t, kStaged ? 2 * 64 * kStagingPitch : 16, 16> staging;
   uint64_t full[kStages];
   uint64_t empty[kStages];
   int tile_ends[kMaxGroups];   // cumulative m tiles of groups 0..g
@@ -94,7 +106,8 @@ struct Tile {
   int group, m0, m_end, block;
 };
 
-__device__ __forceinline__ Tile decode(const SharedStorage& s, int num_groups, int units_per_tile, int unit) {
+template <class Storage>
+__device__ __forceinline__ Tile decode(const Storage& s, int num_groups, int units_per_tile, int unit) {
   int t = unit / units_per_tile;
   int lo = 0, hi = num_groups - 1;
   while (lo < hi) {  // first group whose cumulative tile count exceeds t
@@ -134,15 +147,67 @@ __device__ __forceinline__ float e4m3_quotient(float x, float scale, float recip
   return q != q ? q : fminf(fmaxf(q, -448.0f), 448.0f);
 }
 
+// silu(min(g, c)) * clamp(u, -c, c) * w from the bf16-rounded gate and up values.
+__device__ __forceinline__ float2 swiglu_pair(const Params& p, uint32_t gate_bits, uint32_t up_bits, float w) {
+  float2 g = unpack_bf16(gate_bits), u = unpack_bf16(up_bits);
+  if (p.has_clamp) {
+    g.x = fminf(g.x, p.clamp);
+    g.y = fminf(g.y, p.clamp);
+    u.x = fminf(fmaxf(u.x, -p.clamp), p.clamp);
+    u.y = fminf(fmaxf(u.y, -p.clamp), p.clamp);
+  }
+  // approximate division, as the Triton SwiGLU kernel's
+  return make_float2(__fdividef(g.x, 1.0f + __expf(-g.x)) * u.x * w, __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y * w);
+}
+
+// One 1x128 e4m3 scale of a row from this thread's 32 values of it (acc[4 i + 2 r], + 1) and its
+// quad's: the amax as bits (a NaN's exceed every finite value's, so a NaN row gets a NaN scale).
+__device__ __forceinline__ float row_scale(const float* acc, int r) {
+  uint32_t amax_bits = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    amax_bits = max(amax_bits, __float_as_uint(acc[4 * i + 2 * r]) & 0x7fffffffu);
+    amax_bits = max(amax_bits, __float_as_uint(acc[4 * i + 2 * r + 1]) & 0x7fffffffu);
+  }
+  amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, 1));
+  amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, 2));
+  float amax = __uint_as_float(amax_bits);
+  return __fdiv_rn(amax != amax ? amax : fmaxf(amax, 1e-4f), 448.0f);
+}
+
+__device__ __forceinline__ void warpgroup_sync(int wg) {  // named barrier 1 + wg, the warpgroup's 128 threads
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+}
+
+// A math warpgroup's 64 staged rows (kChunks 16-byte pieces each) to dst rows row0.., stride
+// bytes apart, rows at or past m_end skipped: two whole rows per warp store.
+template <int kChunks>
+__device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, size_t stride, int row0, int m_end,
+                                         int wt) {
+#pragma unroll
+  for (int c = wt; c < 64 * kChunks; c += 128) {
+    int r = c / kChunks, j = c % kChunks;
+    if (row0 + r < m_end) {
+      uint4 v = *reinterpret_cast<const uint4*>(staging + r * kStagingPitch + 16 * j);
+      *reinterpret_cast<uint4*>(dst + size_t(row0 + r) * stride + 16 * j) = v;
+    }
+  }
+}
+
 template <bool kSwiGLU, bool kPair>
-__device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit_stride, int total_units,
+__device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
+template <bool kSwiGLU, bool kPair>
+__device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_unit, int unit_stride,
+                            int total_units, int units_per_tile);
 
 // kPair: the CTA is one of a 2-CTA cluster sharing each A tile by multicast (units_per_tile even).
-template <bool kSwiGLU, bool kPair>
+template <bool kSwiGLU, bool kPair, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
+  using Storage = SharedStorage<kStaged>;
+  constexpr int kStages = Storage::kStages;
   extern __shared__ char smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Storage& s = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int G = p.num_groups, KB = p.k / kBlockK;
   const int units_per_tile = kSwiGLU ? p.n / (2 * kBlockN) : p.n / kBlockN;
@@ -221,6 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
         }
       }
     }
+  } else if constexpr (kStaged) {
+    math_staged<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   } else {
     math<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   }
@@ -230,17 +297,33 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
   }
 }
 
-// The math warpgroups: the main loop with the fp32 promotion, then the unit's epilogue.
+// Releases a consumed stage to every CTA whose loads write it.
+template <bool kPair>
+__device__ __forceinline__ void release(uint64_t* empty, int lane) {
+  if (lane == 0) {
+    if constexpr (kPair) {
+      cutlass::arch::ClusterBarrier::arrive(empty, 0, 1);
+      cutlass::arch::ClusterBarrier::arrive(empty, 1, 1);
+    } else {
+      cutlass::arch::ClusterBarrier::arrive(empty);
+    }
+  }
+}
+
+// The first schedule (no kStaged): each block's K loop, then its epilogue stored straight from
+// the fragments, with no wgmma in flight.
 template <bool kSwiGLU, bool kPair>
-__device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit_stride, int total_units,
+__device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile) {
+  using Storage = SharedStorage<false>;
+  constexpr int kStages = Storage::kStages;
   cutlass::arch::warpgroup_reg_alloc<232>();
   const int lane = threadIdx.x % 32, G = p.num_groups, KB = p.k / kBlockK;
   const int ct = threadIdx.x - 128;
   TiledMma mma;
   auto thr = mma.get_thread_slice(ct);
-  Tensor sA = make_tensor(make_smem_ptr(s.a.data()), SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(s.b.data()), SmemLayoutB{});
+  Tensor sA = make_tensor(make_smem_ptr(s.a.data()), typename Storage::LayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b.data()), typename Storage::LayoutB{});
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
   Tensor scratch = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -288,14 +371,7 @@ __device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(scratch);
-        if (lane == 0) {
-          if constexpr (kPair) {  // both CTAs' loads write this stage: release it to both
-            cutlass::arch::ClusterBarrier::arrive(&s.empty[stage], 0, 1);
-            cutlass::arch::ClusterBarrier::arrive(&s.empty[stage], 1, 1);
-          } else {
-            cutlass::arch::ClusterBarrier::arrive(&s.empty[stage]);
-          }
-        }
+        release<kPair>(&s.empty[stage], lane);
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
@@ -315,18 +391,9 @@ __device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit
             *reinterpret_cast<uint32_t*>(p.out + size_t(rows[r]) * p.n + out_col + 8 * i + tile_col) = packed;
           }
           if (kSwiGLU && half == 1) {  // from here on acc holds the activation (fp32)
-            float2 g = unpack_bf16(gate[2 * i + r]);
-            float2 u = unpack_bf16(packed);
-            if (p.has_clamp) {
-              g.x = fminf(g.x, p.clamp);
-              g.y = fminf(g.y, p.clamp);
-              u.x = fminf(fmaxf(u.x, -p.clamp), p.clamp);
-              u.y = fminf(fmaxf(u.y, -p.clamp), p.clamp);
-            }
-            float w = live[r] ? __ldg(p.row_weights + rows[r]) : 0.0f;
-            // approximate division, as the Triton SwiGLU kernel's
-            acc[4 * i + 2 * r] = __fdividef(g.x, 1.0f + __expf(-g.x)) * u.x * w;
-            acc[4 * i + 2 * r + 1] = __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y * w;
+            float2 a = swiglu_pair(p, gate[2 * i + r], packed, live[r] ? __ldg(p.row_weights + rows[r]) : 0.0f);
+            acc[4 * i + 2 * r] = a.x;
+            acc[4 * i + 2 * r + 1] = a.y;
           }
         }
       }
@@ -337,16 +404,7 @@ __device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit
       const int I = p.n / 2, act_col = tile.block * kBlockN + tile_col;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        uint32_t amax_bits = 0;  // max of |a| as bits: a NaN's exceed every finite value's
-#pragma unroll
-        for (int i = 0; i < kFrag / 4; ++i) {
-          amax_bits = max(amax_bits, __float_as_uint(acc[4 * i + 2 * r]) & 0x7fffffffu);
-          amax_bits = max(amax_bits, __float_as_uint(acc[4 * i + 2 * r + 1]) & 0x7fffffffu);
-        }
-        amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, 1));
-        amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, 2));
-        float amax = __uint_as_float(amax_bits);
-        float scale = __fdiv_rn(amax != amax ? amax : fmaxf(amax, 1e-4f), 448.0f);
+        float scale = row_scale(acc, r);
         float recip = __frcp_rn(scale);
         if (!live[r]) continue;
         uint8_t* act_row = p.act + size_t(rows[r]) * I + act_col;
@@ -362,6 +420,151 @@ __device__ void math(const Params& p, SharedStorage& s, int first_unit, int unit
       }
     }
   }
+}
+
+// The staged schedule: one stream of K blocks over this CTA's output blocks (a SwiGLU unit is two:
+// its gate block, then its up block). Step i issues its wgmmas into the scratch accumulator, then
+// (at a block's first K block) runs the previous block's epilogue from `acc` while they execute,
+// then promotes scratch into acc. The wgmmas are issued on every step, outside any branch.
+template <bool kSwiGLU, bool kPair>
+__device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_unit, int unit_stride,
+                            int total_units, int units_per_tile) {
+  using Storage = SharedStorage<true>;
+  constexpr int kStages = Storage::kStages;
+  constexpr int kHalves = kSwiGLU ? 2 : 1;
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int lane = threadIdx.x % 32, G = p.num_groups, KB = p.k / kBlockK;
+  const int ct = threadIdx.x - 128, wg = ct / 128, wt = ct % 128;
+  TiledMma mma;
+  auto thr = mma.get_thread_slice(ct);
+  Tensor sA = make_tensor(make_smem_ptr(s.a.data()), typename Storage::LayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b.data()), typename Storage::LayoutB{});
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor scratch = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  constexpr int kFrag = decltype(size(scratch))::value;  // 64: (2 columns, 2 rows, 16 column groups)
+  static_assert(kFrag == 64, "m64n128 accumulator per thread");
+  float acc[kFrag];
+
+  // this thread's rows in its warpgroup's 64 (wgmma's accumulator layout: and + 8), and the byte
+  // offset of its fragment in the staging buffer: value v is row + 8 ((v >> 1) & 1), column
+  // 8 (v >> 2) + 2 (lane % 4) + (v & 1)
+  const int frag_row = (wt / 32) * 16 + lane / 4;
+  const int tile_row = wg * 64 + frag_row;
+  uint8_t* staging = s.staging.data() + wg * 64 * kStagingPitch;
+  const int frag_offset = frag_row * kStagingPitch + 4 * (lane % 4);
+  const int NB = p.n / kBlockN, I = p.n / 2;
+
+  const int my_units = first_unit < total_units ? (total_units - 1 - first_unit) / unit_stride + 1 : 0;
+  const int steps = my_units * kHalves * KB;
+  // the block being accumulated (started by step 0) and the finished one awaiting its epilogue
+  int unit = first_unit - unit_stride, half = kHalves - 1, kb = KB - 1;
+  Tile tile{0, 0, 0, 0}, done{0, 0, 0, 0};
+  int out_col = 0, done_col = 0;
+  const float *b_scale = p.b_scales, *a_scale0 = p.a_scales, *a_scale1 = p.a_scales;
+  int stage = 0;
+  uint32_t phase = 0;
+
+  // A finished block's epilogue from acc: bf16 rows through the staging buffer; for an up block,
+  // SwiGLU with the gate block this thread staged before, then the e4m3 activation block.
+  auto epilogue = [&](const Tile& t, int col, bool up) {
+    const int row0 = t.m0 + wg * 64;
+    const int rows[2] = {t.m0 + tile_row, t.m0 + tile_row + 8};
+    const bool live[2] = {rows[0] < t.m_end, rows[1] < t.m_end};
+    float w[2] = {0.0f, 0.0f};
+    if (kSwiGLU && up) {
+      w[0] = live[0] ? __ldg(p.row_weights + rows[0]) : 0.0f;
+      w[1] = live[1] ? __ldg(p.row_weights + rows[1]) : 0.0f;
+    }
+    warpgroup_sync(wg);  // the previous copy-out has read the buffer
+#pragma unroll
+    for (int i = 0; i < kFrag / 4; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        uint32_t* slot = reinterpret_cast<uint32_t*>(staging + frag_offset + 8 * r * kStagingPitch + 16 * i);
+        uint32_t packed = pack_bf16(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
+        if (kSwiGLU && up) {  // the gate this thread staged for the unit's first block; acc becomes the activation
+          float2 a = swiglu_pair(p, *slot, packed, w[r]);
+          acc[4 * i + 2 * r] = a.x;
+          acc[4 * i + 2 * r + 1] = a.y;
+        }
+        *slot = packed;
+      }
+    }
+    warpgroup_sync(wg);
+    copy_out<2 * kBlockN / 16>(staging, reinterpret_cast<uint8_t*>(p.out + col), size_t(p.n) * 2, row0, t.m_end, wt);
+    if constexpr (kSwiGLU) {
+      if (up) {  // one 1x128 scale block per row: this thread's 32 columns, then the quad's
+        float scale[2], recip[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          scale[r] = row_scale(acc, r);
+          recip[r] = __frcp_rn(scale[r]);
+        }
+        warpgroup_sync(wg);  // the pre-activations are out of the buffer
+#pragma unroll
+        for (int i = 0; i < kFrag / 4; ++i) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
+                make_float2(e4m3_quotient(acc[4 * i + 2 * r], scale[r], recip[r]),
+                            e4m3_quotient(acc[4 * i + 2 * r + 1], scale[r], recip[r])),
+                __NV_SATFINITE, __NV_E4M3);
+            // e4m3 columns: half the bf16 byte offset
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(staging + frag_row * kStagingPitch + 8 * r * kStagingPitch +
+                                                     2 * (lane % 4) + 8 * i) = q;
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (live[r] && lane % 4 == 0) p.act_scales[size_t(rows[r]) * (I / kBlockN) + t.block] = scale[r];
+        }
+        warpgroup_sync(wg);
+        copy_out<kBlockN / 16>(staging, p.act + t.block * kBlockN, size_t(I), row0, t.m_end, wt);
+      }
+    }
+  };
+
+#pragma unroll 1
+  for (int step = 0; step < steps; ++step) {
+    if (++kb == KB) {  // a new block: the one accumulated so far waits for its epilogue
+      kb = 0;
+      done = tile;
+      done_col = out_col;
+      if (++half == kHalves) {
+        half = 0;
+        unit += unit_stride;
+        tile = decode(s, G, units_per_tile, unit);
+      }
+      out_col = (kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN) + half * p.chunk;
+      b_scale = p.b_scales + (size_t(tile.group) * NB + out_col / kBlockN) * KB;
+      a_scale0 = p.a_scales + size_t(min(tile.m0 + tile_row, p.pool_rows - 1)) * KB;
+      a_scale1 = p.a_scales + size_t(min(tile.m0 + tile_row + 8, p.pool_rows - 1)) * KB;
+    }
+    const float sb = __ldg(b_scale + kb);
+    const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
+    cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
+    warpgroup_fence_operand(scratch);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), scratch);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    if (kb == 0 && step > 0) epilogue(done, done_col, kSwiGLU && half == 0);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(scratch);
+    release<kPair>(&s.empty[stage], lane);
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+#pragma unroll
+    for (int v = 0; v < kFrag; ++v) acc[v] = fmaf(scratch(v), (v & 2) ? s1 : s0, kb ? acc[v] : 0.0f);
+  }
+  if (steps > 0) epilogue(tile, out_col, kSwiGLU);
 }
 
 }  // namespace expert_sm90
