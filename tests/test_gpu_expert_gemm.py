@@ -59,7 +59,7 @@ def rel_err(x, ref):
 @needs_kernel
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152)])
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
 def test_plain_matches_dequantized_product(sizes, n, k, variant):
     aq, a_s, bq, b_s, ends = make_case(sizes, n, k)
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
@@ -74,7 +74,7 @@ def test_plain_matches_dequantized_product(sizes, n, k, variant):
         cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, cut)
         assert rel_err(out[:live], cut[:live].float()) < 4e-3
     again = torch.full_like(out, float("nan"))
-    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, (variant + 1) % 4)
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, (variant + 1) % 6)
     assert torch.equal(out[:live], again[:live]), "not bitwise repeatable (or the variants differ)"
 
 
@@ -118,7 +118,7 @@ def test_swiglu_matches_oracle(sizes, inter, k, chunk, clamp):
         assert rel_err(scales[:live], ref_s) < 1e-5
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
-    for variant in (1, 2, 3):  # the same bits without pairs and on the first schedule
+    for variant in (1, 2, 3, 4, 5):  # the same bits without pairs, unstaggered, on the first schedule
         again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=variant)
         assert torch.equal(h[:live], again[0][:live]), f"variant {variant}: other pre-activations"
         assert torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8)), f"variant {variant}"

@@ -31,12 +31,12 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, bool kPair, bool kStaged>
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
   constexpr size_t smem = sizeof(expert_sm90::SharedStorage<kStaged>) + 1024;  // + alignment slack
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged>;
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -83,7 +83,7 @@ const char* launch(const ExpertGemmArgs& a) {
                    : "N and K must be multiples of 128 (K > 0)";
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
-  if (a.variant < 0 || a.variant > 3) return "variant must be in [0, 3]";
+  if (a.variant < 0 || a.variant > 5) return "variant must be in [0, 5]";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
     return "out and act must be 16-byte aligned";
@@ -110,8 +110,12 @@ const char* launch(const ExpertGemmArgs& a) {
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const bool pair = units_per_tile % 2 == 0 && !(a.variant & 1);
   if (a.variant & 2)
-    return pair ? run<kSwiGLU, true, false>(p, a.device, stream) : run<kSwiGLU, false, false>(p, a.device, stream);
-  return pair ? run<kSwiGLU, true, true>(p, a.device, stream) : run<kSwiGLU, false, true>(p, a.device, stream);
+    return pair ? run<kSwiGLU, true, false, false>(p, a.device, stream)
+                : run<kSwiGLU, false, false, false>(p, a.device, stream);
+  if (a.variant & 4)
+    return pair ? run<kSwiGLU, true, true, false>(p, a.device, stream)
+                : run<kSwiGLU, false, true, false>(p, a.device, stream);
+  return pair ? run<kSwiGLU, true, true, true>(p, a.device, stream) : run<kSwiGLU, false, true, true>(p, a.device, stream);
 }
 
 }  // namespace

@@ -35,7 +35,8 @@ struct ExpertGemmArgs {
   bool has_clamp;
   // bit 0 set: no 2-CTA clusters (else they share A where a tile has an even block count);
   // bit 1 set: the first schedule (epilogue after each block, stored from the fragments), else
-  // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory)
+  // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory);
+  // bit 2 set (staged only): the math warpgroups not staggered by a K block
   int variant;
   void* stream;
   int device;

@@ -197,12 +197,13 @@ __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, s
 template <bool kSwiGLU, bool kPair>
 __device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
-template <bool kSwiGLU, bool kPair>
+template <bool kSwiGLU, bool kPair, bool kStagger>
 __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_unit, int unit_stride,
                             int total_units, int units_per_tile);
 
 // kPair: the CTA is one of a 2-CTA cluster sharing each A tile by multicast (units_per_tile even).
-template <bool kSwiGLU, bool kPair, bool kStaged>
+// kStaged: the staged schedule, kStagger: its math warpgroups a K block apart (math_staged).
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
   using Storage = SharedStorage<kStaged>;
   constexpr int kStages = Storage::kStages;
@@ -287,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       }
     }
   } else if constexpr (kStaged) {
-    math_staged<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
+    math_staged<kSwiGLU, kPair, kStagger>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   } else {
     math<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   }
@@ -426,7 +427,11 @@ __device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, i
 // its gate block, then its up block). Step i issues its wgmmas into the scratch accumulator, then
 // (at a block's first K block) runs the previous block's epilogue from `acc` while they execute,
 // then promotes scratch into acc. The wgmmas are issued on every step, outside any branch.
-template <bool kSwiGLU, bool kPair>
+// kStagger: warpgroup 1 starts once warpgroup 0's first K block is done. Both issue into the same
+// tensor cores, and issued at once their wgmmas interleave, end together, and leave the tensor
+// cores idle while both promote; a K block apart, each one's wgmmas queue behind the other's and
+// run while the other promotes, which keeps them apart.
+template <bool kSwiGLU, bool kPair, bool kStagger>
 __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_unit, int unit_stride,
                             int total_units, int units_per_tile) {
   using Storage = SharedStorage<true>;
@@ -525,6 +530,8 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
     }
   };
 
+  if (kStagger && wg == 1 && steps > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
+
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     if (++kb == KB) {  // a new block: the one accumulated so far waits for its epilogue
@@ -556,6 +563,7 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
     if (kb == 0 && step > 0) epilogue(done, done_col, kSwiGLU && half == 0);
     warpgroup_wait<0>();
     warpgroup_fence_operand(scratch);
+    if (kStagger && wg == 0 && step == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
     release<kPair>(&s.empty[stage], lane);
     if (++stage == kStages) {
       stage = 0;

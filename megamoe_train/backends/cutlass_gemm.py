@@ -416,10 +416,10 @@ def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int = 0)
     persistent kernel. a e4m3 [P, K] + fp32 [P, K/128]; b e4m3 [G, N, K] + fp32 [G, N/128, K/128];
     out bf16 [P, N]. variant (csrc/cuda/expert_gemm.h; all give the same bits): 0, the default,
     CTA pairs share each A tile by multicast where a tile has an even number of 128-column blocks,
-    and each block's epilogue runs under the next block's wgmmas, staged in shared memory; 1 the
-    same without pairs; 2 and 3 the first schedule (epilogue stored from the fragments, no wgmma in
-    flight) with and without pairs, kept for comparisons. out must be 16-byte aligned. Returns
-    out."""
+    and each block's epilogue runs under the next block's wgmmas, staged in shared memory, with the
+    two math warpgroups a K block apart; 1 the same without pairs; 4 and 5 those two without the
+    stagger; 2 and 3 the first schedule (epilogue stored from the fragments, no wgmma in flight)
+    with and without pairs, kept for comparisons. out must be 16-byte aligned. Returns out."""
     fn = "fp8_expert_gemm"
     P, K, G, N, dev = _fp8_expert_operands(
         fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0
