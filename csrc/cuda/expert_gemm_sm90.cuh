@@ -208,7 +208,9 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
   using Storage = SharedStorage<kStaged>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ char smem_raw[];
-  Storage& s = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // aligned by an offset from smem_raw (not through an integer), so accesses stay shared-memory ones
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  Storage& s = *reinterpret_cast<Storage*>(smem_raw + ((1024u - (smem_base & 1023u)) & 1023u));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int G = p.num_groups, KB = p.k / kBlockK;
   const int units_per_tile = kSwiGLU ? p.n / (2 * kBlockN) : p.n / kBlockN;
@@ -469,6 +471,8 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
   const float *b_scale = p.b_scales, *a_scale0 = p.a_scales, *a_scale1 = p.a_scales;
   int stage = 0;
   uint32_t phase = 0;
+#pragma unroll
+  for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
 
   // A finished block's epilogue from acc: bf16 rows through the staging buffer; for an up block,
   // SwiGLU with the gate block this thread staged before, then the e4m3 activation block.
@@ -528,6 +532,10 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
         copy_out<kBlockN / 16>(staging, p.act + t.block * kBlockN, size_t(I), row0, t.m_end, wt);
       }
     }
+    // the next block's promotions add into zeros (a select in every step's promotion instead
+    // cost ~130 instructions a step: the selects and the register moves they caused)
+#pragma unroll
+    for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
   };
 
   if (kStagger && wg == 1 && steps > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
@@ -548,6 +556,10 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
       a_scale0 = p.a_scales + size_t(min(tile.m0 + tile_row, p.pool_rows - 1)) * KB;
       a_scale1 = p.a_scales + size_t(min(tile.m0 + tile_row + 8, p.pool_rows - 1)) * KB;
     }
+    const bool block_done = kb == 0 && step > 0;
+    // an up block's epilogue (SwiGLU, the requantization) needs more registers than fit beside
+    // a wgmma in flight, so it runs first; plain and gate blocks run under the wgmmas
+    if (kSwiGLU && block_done && half == 0) epilogue(done, done_col, true);
     const float sb = __ldg(b_scale + kb);
     const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
     cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
@@ -560,7 +572,7 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    if (kb == 0 && step > 0) epilogue(done, done_col, kSwiGLU && half == 0);
+    if (block_done && !(kSwiGLU && half == 0)) epilogue(done, done_col, false);
     warpgroup_wait<0>();
     warpgroup_fence_operand(scratch);
     if (kStagger && wg == 0 && step == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
@@ -570,7 +582,7 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
       phase ^= 1;
     }
 #pragma unroll
-    for (int v = 0; v < kFrag; ++v) acc[v] = fmaf(scratch(v), (v & 2) ? s1 : s0, kb ? acc[v] : 0.0f);
+    for (int v = 0; v < kFrag; ++v) acc[v] = fmaf(scratch(v), (v & 2) ? s1 : s0, acc[v]);
   }
   if (steps > 0) epilogue(tile, out_col, kSwiGLU);
 }
