@@ -27,7 +27,8 @@
 //   silu(gate) * up * w_row per 128 columns: one unit's output is exactly one scale block.
 // - kStaged (the default schedule): each math warpgroup walks its output blocks as one stream of
 //   K blocks, and a finished block's epilogue runs after the next block's first wgmmas are issued,
-//   so the tensor cores work through the epilogue. The epilogue goes through shared memory: the
+//   so the tensor cores work through the epilogue (except a SwiGLU up block's, which needs the
+//   registers of the wgmmas in flight and runs just before them). The epilogue goes through shared memory: the
 //   accumulator fragments (8 rows x 16 bytes per warp store, one L1 wavefront per row) are written
 //   to a padded buffer and copied out as whole 256-byte rows. Without kStaged (the first version,
 //   kept for comparisons) the fragments are stored to global memory directly after each block.
@@ -313,6 +314,23 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
   }
 }
 
+// Once the stage's loads have landed: one 128-deep K block's wgmmas into scratch (overwritten),
+// committed as one batch, not waited for.
+template <class Mma, class FragA, class FragB, class Accum>
+__device__ __forceinline__ void issue_k_block(Mma& mma, FragA& tCrA, FragB& tCrB, Accum& scratch, uint64_t* full,
+                                              uint32_t phase, int stage) {
+  cutlass::arch::ClusterTransactionBarrier::wait(full, phase);
+  warpgroup_fence_operand(scratch);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), scratch);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
 // The first schedule (no kStaged): each block's K loop, then its epilogue stored straight from
 // the fragments, with no wgmma in flight.
 template <bool kSwiGLU, bool kPair>
@@ -362,16 +380,7 @@ __device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, i
       for (int kb = 0; kb < KB; ++kb) {
         const float sb = __ldg(b_scale + kb);
         const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
-        cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
-        warpgroup_fence_operand(scratch);
-        warpgroup_arrive();
-        mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-        for (int k = 0; k < size<2>(tCrA); ++k) {
-          cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), scratch);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage);
         warpgroup_wait<0>();
         warpgroup_fence_operand(scratch);
         release<kPair>(&s.empty[stage], lane);
@@ -562,16 +571,7 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
     if (kSwiGLU && block_done && half == 0) epilogue(done, done_col, true);
     const float sb = __ldg(b_scale + kb);
     const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
-    cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
-    warpgroup_fence_operand(scratch);
-    warpgroup_arrive();
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-    for (int k = 0; k < size<2>(tCrA); ++k) {
-      cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), scratch);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage);
     if (block_done && !(kSwiGLU && half == 0)) epilogue(done, done_col, false);
     warpgroup_wait<0>();
     warpgroup_fence_operand(scratch);
