@@ -2,7 +2,7 @@
 
 from .autograd import mega_moe
 from .config import MegaMoEConfig
-from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError
+from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError, MegaMoESlowPathWarning
 from .layer import MegaMoELayer
 from .precision import RECIPES, PrecisionRecipe
 from .symm_buffer import SymmBuffer, destroy_all_symm_buffers, get_symm_buffer, register_layer
@@ -14,6 +14,7 @@ __all__ = [
     "MegaMoECallMismatchError",
     "MegaMoEInputError",
     "MegaMoEPeerError",
+    "MegaMoESlowPathWarning",
     "MegaMoELayer",
     "PrecisionRecipe",
     "RECIPES",

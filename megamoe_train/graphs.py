@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from .autograd import mega_moe
-from .backends import resolve_backend
+from .backends import executor_choice
 from .main_grad import wants_overwrite
 from .symm_buffer import SymmBuffer
 from .weights import quantize_expert_weights, weight_state
@@ -88,12 +88,11 @@ class GraphedMegaMoE:
             raise ValueError("GraphedMegaMoE: CUDA graphs need a CUDA buffer")
         if fuse_wgrad_accumulation and not (hasattr(w1, "main_grad") and hasattr(w2, "main_grad")):
             raise ValueError("GraphedMegaMoE: fuse_wgrad_accumulation needs w1 and w2 with a main_grad")
-        executor = resolve_backend(backend, buffer).name
+        executor, reason = executor_choice(backend, buffer.config, buffer.device)
         if executor != "triton":  # the reference reads the device on the host: it cannot be captured
             raise ValueError(
                 f"GraphedMegaMoE: CUDA graphs need the GPU executor; backend {backend!r} runs {executor!r} for this "
-                f"buffer (recipe {buffer.config.recipe!r}, compute capability "
-                f"{torch.cuda.get_device_capability(buffer.device)}; see backends.resolve_backend)"
+                f"buffer (recipe {buffer.config.recipe!r}{': the GPU executor cannot, ' + reason if reason else ''})"
             )
         self.fuse = fuse_wgrad_accumulation
         self.buffer = buffer

@@ -98,17 +98,21 @@ def describe(run: RankRun, built_s: float) -> str:
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
     shared = f", shared {moe.shared_expert_ffn_hidden_size}" if moe.shared_expert_ffn_hidden_size else ""
-    graphs = False  # what the MoE layers will decide at their first call (megatron_patch.cuda_graphs_enabled)
-    if moe.megamoe_recipe and dev.type == "cuda":
-        from megatron_patch import cuda_graphs_enabled, megamoe_config
+    graphs, executor = False, ""  # what the MoE layers will decide at their first call
+    if moe.megamoe_recipe:
+        from megatron_patch import cuda_graphs_enabled, describe_megamoe_executor, megamoe_config
 
-        graphs = cuda_graphs_enabled(model.config, megamoe_config(model.config, dtype=model.config.params_dtype), dev)
+        executor = f" on {describe_megamoe_executor(model.config, dev)}"
+        if dev.type == "cuda":
+            graphs = cuda_graphs_enabled(
+                model.config, megamoe_config(model.config, dtype=model.config.params_dtype), dev
+            )
     return (
         f"[megamoe-train] {run.world} ranks on {run.device} | EP {p.expert_parallel}, TP {p.tensor_parallel}, "
         f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
         f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
         f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "
-        f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}"
+        f"({len(moe_layers)} x {moe_layers[0] if moe_layers else '-'}{executor}"
         f"{', CUDA graphs' if graphs else ''}) | "
         f"params {(dense_params + expert_params) / 1e6:.2f} M ({expert_params / 1e6:.2f} M in experts) | "
         f"{train_flops_per_token(recipe) / 1e9:.2f} GFLOP/token"

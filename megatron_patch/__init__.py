@@ -18,8 +18,10 @@ from .config import (
     MegaMoEConfigError,
     MegaMoETransformerConfig,
     cuda_graphs_enabled,
+    describe_megamoe_executor,
     max_tokens_per_rank,
     megamoe_config,
+    megamoe_executor,
     validate_megamoe,
 )
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
@@ -39,6 +41,7 @@ __all__ = [
     "MegaMoETransformerConfig",
     "cpu_compat",
     "cuda_graphs_enabled",
+    "describe_megamoe_executor",
     "get_expert_load",
     "get_peer_wait_ns",
     "get_megamoe_gpt_decoder_block_spec",
@@ -48,6 +51,7 @@ __all__ = [
     "invalidate_expert_weight_caches",
     "max_tokens_per_rank",
     "megamoe_config",
+    "megamoe_executor",
     "register_megakernel_backend",
     "routing_to_topk",
     "validate_megamoe",

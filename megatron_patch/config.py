@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megamoe_train import MegaMoEConfig
 from megamoe_train.backends import NAMES as _BACKEND_NAMES
-from megamoe_train.backends import gpu_executor_supports
+from megamoe_train.backends import executor_choice, gpu_executor_supports
 from megamoe_train.precision import RECIPES as _RECIPES
 
 RECIPES = tuple(_RECIPES)  # "bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4"
@@ -233,6 +233,21 @@ def cuda_graphs_enabled(config, mm_config: MegaMoEConfig, device: torch.device) 
     return _get(config, "moe_megamoe_backend", "auto") in ("auto", "triton") and gpu_executor_supports(
         mm_config, device
     )
+
+
+def megamoe_executor(config, device: torch.device, dtype: Optional[torch.dtype] = None) -> tuple[str, Optional[str]]:
+    """(executor, why not the GPU executor) that a MegaMoE layer of this config runs on `device`:
+    backends.executor_choice of its moe_megamoe_backend (the reason is None where it runs the GPU
+    executor or was asked for another one). Raises where backend 'triton' cannot run it."""
+    mm_config = megamoe_config(config, dtype=dtype or _get(config, "params_dtype") or torch.bfloat16)
+    return executor_choice(_get(config, "moe_megamoe_backend", "auto"), mm_config, device)
+
+
+def describe_megamoe_executor(config, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
+    """One phrase for logs: 'triton', or 'reference (the GPU executor cannot: <reason>)'."""
+    executor, reason = megamoe_executor(config, device, dtype)
+    slow = reason is not None and device.type == "cuda"  # on CPU the reference is the only executor
+    return f"{executor} (the GPU executor cannot: {reason})" if slow else executor
 
 
 def megamoe_config(

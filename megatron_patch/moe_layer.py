@@ -18,6 +18,7 @@ reads the stacked parameters as they are and writes their gradients.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -26,6 +27,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe, register_layer
+from megamoe_train.backends import executor_choice
 from megamoe_train.graphs import GraphedMegaMoE
 
 from .config import MegaMoEConfigError, cuda_graphs_enabled, megamoe_config, megamoe_enabled, validate_megamoe
@@ -33,6 +35,8 @@ from .experts import MegaMoEExperts, native_expert_weights
 from .routing import argsort_slots, routing_map_slots
 
 __all__ = ["MegaMoEMoELayer", "get_expert_load", "routing_to_topk"]
+
+logger = logging.getLogger(__name__)
 
 
 def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +76,7 @@ class MegaMoECall:
         self.graphed: GraphedMegaMoE | None = None  # moe_megamoe_cuda_graph: built at the first CUDA call
         self._graphs: dict[MegaMoEConfig, bool] = {}  # cuda_graphs_enabled per call config
         self.buffer = None  # the symmetric buffer of the latest call (get_peer_wait_ns reads its counter)
+        self.executor: str | None = None  # the executor of the latest call config ('triton', 'reference')
 
     def _agree_max_tokens(self, tokens: int, device: torch.device) -> int:
         t = torch.tensor([tokens], dtype=torch.int64, device=device)
@@ -121,6 +126,16 @@ class MegaMoECall:
         graphs = self._graphs.get(cfg)
         if graphs is None:  # asked once per config (the auto mode reads the device)
             graphs = self._graphs[cfg] = cuda_graphs_enabled(self.config, cfg, x.device)
+            self.executor, reason = executor_choice(self.config.moe_megamoe_backend, cfg, x.device)
+            logger.info(
+                "MegaMoE layer %d: recipe %s on %s, executor %s%s%s",
+                self.layer_id,
+                cfg.recipe,
+                x.device,
+                self.executor,
+                ", CUDA graphs" if graphs else "",
+                f" (the GPU executor cannot: {reason})" if reason and x.device.type == "cuda" else "",
+            )
         if graphs and isinstance(self.experts, MegaMoEExperts):
             if self.graphed is None or not self.graphed.serves(buffer, w1, w2, fuse_wgrad_accumulation=fuse, **shared):
                 self.graphed = GraphedMegaMoE(

@@ -54,7 +54,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(graphs, "resolve_backend", lambda backend, buffer: SimpleNamespace(name="triton"))
+    monkeypatch.setattr(graphs, "executor_choice", lambda backend, config, device: ("triton", None))
     monkeypatch.setattr(graphs, "mega_moe", fake_mega_moe)
 
 

@@ -5,7 +5,9 @@ reads) the fp8 weight-prep kernels, weights.supply_weight_kernels, so that it im
 
 from __future__ import annotations
 
-from ..precision import GPU_EXECUTOR_RECIPES
+import warnings
+
+from ..errors import MegaMoESlowPathWarning
 from ..weights import supply_weight_kernels
 from .executor import Executor
 from .reference import ReferenceExecutor
@@ -33,35 +35,65 @@ def _weight_prep_kernels():
 supply_weight_kernels(_weight_prep_kernels)
 
 
-def triton_supported(buffer) -> bool:
-    return gpu_executor_supports(buffer.config, buffer.device)
+_warned_slow_paths: set[tuple] = set()
+
+
+def gpu_executor_unsupported(config, device) -> str | None:
+    """Why the GPU executor does not run calls of `config` on `device`; None where it does."""
+    if device.type != "cuda":
+        return f"it runs on CUDA devices only, not {device.type}"
+    try:
+        from .triton_backend import unsupported_reason
+    except ImportError as e:  # no triton installed
+        return f"its kernels cannot be imported ({type(e).__name__}: {e})"
+    return unsupported_reason(config, device)
 
 
 def gpu_executor_supports(config, device) -> bool:
     """Whether backend 'auto' runs the Triton GPU executor for calls of `config` on `device`."""
-    if device.type != "cuda":
-        return False
-    try:
-        from .triton_backend import supports_config
-    except ImportError:  # no triton installed
-        return False
-    return supports_config(config, device)
+    return gpu_executor_unsupported(config, device) is None
+
+
+def triton_supported(buffer) -> bool:
+    return gpu_executor_supports(buffer.config, buffer.device)
+
+
+def executor_choice(name: str, config, device) -> tuple[str, str | None]:
+    """(executor name, why not the GPU executor) that backend `name` runs calls of `config` on
+    `device` with; the reason is None where it runs the GPU executor or was asked for another one.
+    For the adapter's and the trainer's reports, and for resolve_backend."""
+    if name == "auto":
+        reason = gpu_executor_unsupported(config, device)
+        return ("triton", None) if reason is None else ("reference", reason)
+    if name == "triton":
+        reason = gpu_executor_unsupported(config, device)
+        if reason is not None:
+            raise ValueError(
+                f"backend: 'triton' cannot run recipe {config.recipe!r} (hidden {config.hidden}, "
+                f"intermediate {config.intermediate}) on {device}: {reason}; backend 'reference' runs anywhere"
+            )
+        return "triton", None
+    if name not in NAMES:
+        raise ValueError(f"backend: unknown backend {name!r}; choose 'auto' or one of {list(NAMES)}")
+    return name, None
 
 
 def resolve_backend(name: str, buffer) -> Executor:
     """'auto' picks the Triton GPU executor where it supports the buffer (sm90+, the recipes of
-    precision.GPU_EXECUTOR_RECIPES), else the reference, which runs anywhere."""
-    if name == "auto":
-        return _triton_executor() if triton_supported(buffer) else BACKENDS["reference"]
-    if name == "triton":
-        if not triton_supported(buffer):
-            raise ValueError(
-                f"backend: 'triton' needs a CUDA sm90+ buffer with a recipe of {GPU_EXECUTOR_RECIPES}, "
-                f"dtype bf16, hidden and "
-                f"intermediate multiples of 128 and block_m 64 or 128; got {buffer.config.recipe!r} on {buffer.device}"
+    precision.GPU_EXECUTOR_RECIPES), else the reference, which runs anywhere. On a CUDA device that
+    fallback is many times slower, so it warns once per recipe, shape and reason
+    (MegaMoESlowPathWarning); 'triton' raises where it cannot run the buffer's config."""
+    config, device = buffer.config, buffer.device
+    executor, reason = executor_choice(name, config, device)
+    if reason is not None and device.type == "cuda":
+        key = (config.recipe, config.hidden, config.intermediate, reason)
+        if key not in _warned_slow_paths:
+            _warned_slow_paths.add(key)
+            warnings.warn(
+                f"mega_moe: backend 'auto' runs recipe {config.recipe!r} (hidden {config.hidden}, intermediate "
+                f"{config.intermediate}) on {device} through the reference executor (plain PyTorch, many times "
+                f"slower): the GPU executor cannot, {reason}",
+                MegaMoESlowPathWarning,
+                stacklevel=3,
             )
-        return _triton_executor()
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"backend: unknown backend {name!r}; choose 'auto' or one of {list(NAMES)}") from None
+    return _triton_executor() if executor == "triton" else BACKENDS[executor]

@@ -62,13 +62,22 @@ _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 _FP8_FORWARD = os.environ.get("MEGAMOE_FP8_FORWARD", "split")
 
 
-def supports_config(cfg, device: torch.device) -> bool:
-    """Whether this executor runs calls of this MegaMoEConfig on this device."""
-    if device.type != "cuda" or cfg.recipe not in GPU_EXECUTOR_RECIPES or cfg.dtype != torch.bfloat16:
-        return False
-    if cfg.intermediate % 128 or cfg.hidden % 128 or cfg.block_m not in (64, 128):
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+def unsupported_reason(cfg, device: torch.device) -> str | None:
+    """Why this executor does not run calls of this MegaMoEConfig on this device; None where it does."""
+    if device.type != "cuda":
+        return f"it runs on CUDA devices only, not {device.type}"
+    if cfg.recipe not in GPU_EXECUTOR_RECIPES:
+        return f"recipe {cfg.recipe!r} has no GPU kernels yet (they exist for {', '.join(GPU_EXECUTOR_RECIPES)})"
+    if cfg.dtype != torch.bfloat16:
+        return f"dtype {cfg.dtype} (its kernels take bf16)"
+    if cfg.intermediate % 128 or cfg.hidden % 128:
+        return f"hidden {cfg.hidden} and intermediate {cfg.intermediate} must be multiples of 128"
+    if cfg.block_m not in (64, 128):
+        return f"block_m {cfg.block_m} (its kernels take 64 or 128)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        return f"compute capability {capability[0]}.{capability[1]} (its kernels need 9.0, Hopper, or newer)"
+    return None
 
 
 @dataclass

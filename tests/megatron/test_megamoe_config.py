@@ -254,3 +254,26 @@ def test_megatron_lm_configs_get_graphs_only_when_asked(monkeypatch, env, expect
     monkeypatch.setenv("MEGAMOE_CUDA_GRAPH", "yes please")
     with pytest.raises(ValueError, match="MEGAMOE_CUDA_GRAPH"):
         ensure_megamoe_fields(SimpleNamespace())
+
+
+def test_executor_report(monkeypatch):
+    """Which executor a MoE layer of the config runs (the trainer's first line prints it): the
+    reference on a GPU names why (a CUDA device of capability 9.0 monkeypatched; nothing runs)."""
+    import torch
+
+    from megatron_patch import describe_megamoe_executor
+
+    pytest.importorskip("triton", reason="the GPU executor's checks import triton_backend")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    mx = make(moe_megamoe_recipe="mxfp8_mxfp4", hidden_size=256, moe_ffn_hidden_size=384, params_dtype=torch.bfloat16)
+    assert describe_megamoe_executor(mx, cuda).startswith("reference (the GPU executor cannot: recipe 'mxfp8_mxfp4'")
+    assert (
+        describe_megamoe_executor(
+            make(moe_megamoe_recipe="fp8", hidden_size=256, moe_ffn_hidden_size=384, params_dtype=torch.bfloat16), cuda
+        )
+        == "triton"
+    )
+    assert describe_megamoe_executor(mx, torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="'triton' cannot run recipe 'mxfp8_mxfp4'"):
+        describe_megamoe_executor(make(moe_megamoe_recipe="mxfp8_mxfp4", moe_megamoe_backend="triton"), cuda)
