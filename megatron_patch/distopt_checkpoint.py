@@ -27,7 +27,9 @@ at each step (the bias correction of the first step after a resume ran at step 1
 of parameters); each parameter gets its own copy. And its `fully_reshardable` load hands
 `_set_main_param_and_optimizer_states` no `step` (kept in param_groups), which that function
 requires where torch Adam keeps one per parameter (KeyError for any model): the wrapper passes
-the parameter's current one, which load_state_dict has just set from the checkpoint.
+the parameter's current one, which load_state_dict has just set from the checkpoint. And a
+fresh torch-Adam DistributedOptimizer (no step taken) cannot build its sharded state dict for a
+load (its state_dict() asserts on a step): the wrapper runs megatron's dummy step first.
 """
 
 from __future__ import annotations
@@ -231,6 +233,7 @@ def install() -> None:
     """Wrap DistributedOptimizer.sharded_state_dict, sharded_param_state_dp_reshardable,
     load_parameter_state_from_dp_reshardable, load_state_dict and
     _set_main_param_and_optimizer_states (idempotent)."""
+    from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if getattr(DistributedOptimizer, "_megamoe_checkpoint_translation", False):
@@ -258,6 +261,10 @@ def install() -> None:
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, sharding_type=None, metadata=None):
         fmt = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", _DEFAULT_FORMAT)
         _check_format(self, fmt, is_loading)
+        if is_loading and not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            # a fresh torch Adam has no state, and state_dict() asserts on its step: megatron's
+            # own dummy step creates it (every value is then overwritten by the load)
+            self._init_optimizer_states_with_dummy_values()
         return original_sharded_state_dict(
             self,
             model_sharded_state_dict if model_sharded_state_dict is not None else {},
