@@ -142,6 +142,8 @@ def across_kinds(rank, world, ckpt_dir, fmt, bucket_size=None, pairs=((None, "bf
     for src_recipe, dst_recipe in pairs:
         path = os.path.join(ckpt_dir, f"{fmt}-{src_recipe}")
         src, src_ddp, src_opt = trained(src_recipe, 11, bucket_size)
+        if bucket_size is not None:  # the translation maps between buckets that differ in number and bounds
+            assert all(len(b.buckets) > 1 for b in src_ddp.expert_parallel_buffers)
         save(src, src_opt, path, metadata)
         dst, dst_ddp, dst_opt = trained(dst_recipe, 12, bucket_size)  # other weights and moments
         before = by_checkpoint_key(dst, dst_opt)
