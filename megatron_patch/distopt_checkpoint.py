@@ -19,17 +19,20 @@ in one of these formats (`metadata["distrib_optim_sharding_type"]`):
   ShardedTensor rejects (for a stock model as well): a MegaMoE optimizer raises
   DistOptCheckpointError for them, when saving and when loading.
 
-`install()` (run on import of megatron_patch) wraps three DistributedOptimizer methods for that; an
-optimizer without MegaMoE expert weights takes Megatron's code unchanged. It also wraps
-`load_state_dict` for every DistributedOptimizer: megatron-core 0.19.2 gives all parameters of
-a torch Adam one shared `step` tensor on load, which torch then increments once per parameter
-at each step (the bias correction of the first step after a resume ran at step 1 + the number
-of parameters); each parameter gets its own copy. And its `fully_reshardable` load hands
-`_set_main_param_and_optimizer_states` no `step` (kept in param_groups), which that function
-requires where torch Adam keeps one per parameter (KeyError for any model): the wrapper passes
-the parameter's current one, which load_state_dict has just set from the checkpoint. And a
-fresh torch-Adam DistributedOptimizer (no step taken) cannot build its sharded state dict for a
-load (its state_dict() asserts on a step): the wrapper runs megatron's dummy step first.
+`install()` (run on import of megatron_patch) wraps DistributedOptimizer's sharded_state_dict
+and its dp_reshardable save and load for that; an optimizer without MegaMoE expert weights takes
+Megatron's code unchanged. It also fixes, for every DistributedOptimizer, three defects of
+megatron-core 0.19.2's torch-Adam path (no TE / Apex, as on CPU) that make a load inexact or fail
+for any model:
+
+- `load_state_dict` gives all parameters one shared `step` tensor, which torch then increments
+  once per parameter at each step (the first step after a resume had the bias correction of
+  step 1 + the number of parameters): each parameter gets its own copy.
+- The `fully_reshardable` load hands `_set_main_param_and_optimizer_states` no `step` (it is in
+  param_groups), which that function requires where torch Adam keeps one per parameter
+  (KeyError): the wrapper passes the parameter's own, which load_state_dict has just set.
+- A fresh optimizer (no step taken) cannot build a load's sharded state dict (its state_dict()
+  asserts on a step): megatron's own dummy step runs first, its values then overwritten.
 """
 
 from __future__ import annotations

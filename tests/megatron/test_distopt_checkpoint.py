@@ -22,12 +22,14 @@ def pool():
 
 
 @pytest.mark.parametrize(
-    "fmt, bucket_size",
-    [("dp_reshardable", None), ("dp_reshardable", 6000), ("fully_reshardable", None)],
-    ids=["dp_reshardable", "dp_reshardable-buckets", "fully_reshardable"],
+    "fmt, bucket_size, bf16",
+    [("dp_reshardable", None, True), ("dp_reshardable", 6000, False), ("fully_reshardable", None, True)],
+    ids=["dp_reshardable-bf16", "dp_reshardable-fp32-buckets", "fully_reshardable-bf16"],
 )
-def test_checkpoint_moves_between_stock_and_megamoe(pool, tmp_path, fmt, bucket_size):
-    counts = pool.run(cases.across_kinds, str(tmp_path), fmt, bucket_size)
+def test_checkpoint_moves_between_stock_and_megamoe(pool, tmp_path, fmt, bucket_size, bf16):
+    """bf16 models: the fp32 master weights are the optimizer's own tensors; fp32 with small
+    buckets: several grad buckets, whose bounds differ between the two layer kinds."""
+    counts = pool.run(cases.across_kinds, str(tmp_path), fmt, bucket_size, bf16)
     assert all(c == counts[0] for c in counts) and counts[0][0] == counts[0][1] > 40, counts
 
 
