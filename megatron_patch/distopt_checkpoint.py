@@ -187,11 +187,12 @@ def _translated_buffer_state(opt, gbuf_idx, layout, segments, is_loading):
             replica_id=replica_id,
         )
 
-    pieces, keys = [], None
+    pieces, keys, like = [], None, {}  # like: a state tensor per key (dtype and device of the padding)
     for bucket_idx, bucket in enumerate(buckets):
         for model_param, ranges in bucket["param_map"].items():
             state = opt._get_main_param_and_optimizer_states(model_param)
             keys = keys or [k for k in state if k != "step"]
+            like = like or {k: state[k] for k in keys}
             lo_shard, hi_shard = ranges["param"].start, ranges["param"].end
             for start, end, stock_param in segments[id(model_param)]:
                 lo, hi = max(lo_shard, start), min(hi_shard, end)
@@ -215,7 +216,7 @@ def _translated_buffer_state(opt, gbuf_idx, layout, segments, is_loading):
             pos = 0
             for s, e in sorted(used) + [(unpadded[b], unpadded[b])]:
                 if s > pos:
-                    piece = {k: sharded(b, k, torch.empty(s - pos, dtype=torch.float32), pos) for k in keys}
+                    piece = {k: sharded(b, k, like[k].new_empty(s - pos), pos) for k in keys}
                     piece["target"] = LocalNonpersistentObject(None)
                     pieces.append(piece)
                 pos = max(pos, e)
