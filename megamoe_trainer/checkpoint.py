@@ -8,6 +8,13 @@ Megatron tracker RNG states), `meta.json` and, once all of those are written and
 names the newest complete checkpoint; it is written last, atomically, so a run killed mid-save
 resumes from the previous one.
 
+meta.json's `optimizer_format` names how the optimizer state is stored: "plain" (Megatron's
+non-distributed optimizer) or, with train.use_distributed_optimizer, "dp_reshardable" (Megatron-
+LM's default for the distributed optimizer; between stock and MegaMoE layers exact, see
+megatron_patch/distopt_checkpoint.py). The formats hold different keys, so a run resumes only a
+checkpoint of its own format (checked by the launcher and by `load_checkpoint`); checkpoints
+without the key were written with the plain optimizer.
+
 Before a run resumes (`find_resume_checkpoint`, in the launcher) the checkpoint `latest` names is
 verified against its manifest; one that is missing, torn or corrupt is reported by name and
 file, and the run falls back to the newest checkpoint that verifies, or refuses.
@@ -31,6 +38,8 @@ MANIFEST = "manifest.json"
 META = "meta.json"
 # meta.json's "format": 2 = the checkpoint has a manifest (earlier ones, without the key, load unverified)
 FORMAT = 2
+PLAIN_OPTIMIZER = "plain"
+DISTOPT_FORMAT = "dp_reshardable"  # metadata["distrib_optim_sharding_type"] of DistributedOptimizer
 _STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 8 << 20
 
@@ -41,6 +50,33 @@ class CheckpointProblem(Exception):
 
 class NoUsableCheckpoint(Exception):
     """The run dir has checkpoints, and none of them verifies."""
+
+
+def optimizer_format(use_distributed_optimizer: bool) -> str:
+    """The optimizer_format a run writes into meta.json."""
+    return DISTOPT_FORMAT if use_distributed_optimizer else PLAIN_OPTIMIZER
+
+
+def check_optimizer_format(meta: dict, use_distributed_optimizer: bool) -> None:
+    """CheckpointProblem unless the checkpoint's optimizer state is in the format this run writes."""
+    saved = meta.get("optimizer_format", PLAIN_OPTIMIZER)
+    want = optimizer_format(use_distributed_optimizer)
+    if saved != want:
+        setting = "true" if saved != PLAIN_OPTIMIZER else "false"
+        raise CheckpointProblem(
+            f"its optimizer state is in format {saved!r}, this run's optimizer writes {want!r}: resume it with "
+            f"train.use_distributed_optimizer={setting} (or start over with --no-resume)"
+        )
+
+
+def _optimizer_metadata(optimizer) -> dict | None:
+    """The sharded_state_dict metadata of a distributed optimizer (None: the plain optimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if any(isinstance(o, DistributedOptimizer) for o in inner):
+        return {"distrib_optim_sharding_type": DISTOPT_FORMAT}
+    return None
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -282,14 +318,20 @@ def save_checkpoint(run_dir: str, step: int, consumed_samples: int, model, optim
         os.makedirs(path)
     dist.barrier()
     model_sd = model.sharded_state_dict()
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+    opt_metadata = _optimizer_metadata(optimizer)
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=opt_metadata)}
     dist_checkpointing.save(state, path)
     torch.save(
         {"step": step, "consumed_samples": consumed_samples, "rng": _rng_state(device)},
         os.path.join(path, f"rank_{rank:05d}.pt"),
     )
     if rank == 0:
-        record = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size()}
+        record = {
+            "step": step,
+            "consumed_samples": consumed_samples,
+            "world_size": dist.get_world_size(),
+            "optimizer_format": optimizer_format(opt_metadata is not None),
+        }
         _write_atomic(os.path.join(path, META), json.dumps({**record, "format": FORMAT, **meta}, indent=1))
     dist.barrier()
     write_manifest(path, step)  # the checkpoint is complete from here
@@ -308,6 +350,10 @@ def load_checkpoint(path: str, model, optimizer, device: str) -> dict:
             f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has {dist.get_world_size()}"
         )
     try:
+        check_optimizer_format(meta, _optimizer_metadata(optimizer) is not None)
+    except CheckpointProblem as e:
+        raise RuntimeError(f"cannot load checkpoint {path}: {e}") from None
+    try:
         return _load(path, model, optimizer, device, rank)
     except Exception as e:  # a traceback deep in torch.distributed.checkpoint names no checkpoint
         raise RuntimeError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
@@ -322,8 +368,12 @@ def _load(path: str, model, optimizer, device: str, rank: int) -> dict:
     if hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies of bf16 params follow the loaded weights
     model_sd = model.sharded_state_dict()
-    opt_sd = dist_checkpointing.load({"optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}, path)
-    optimizer.load_state_dict(opt_sd["optimizer"])
+    opt_sd = dist_checkpointing.load(
+        {"optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_optimizer_metadata(optimizer))},
+        path,
+    )
+    with torch.no_grad():  # fp32 models: the distributed optimizer's master weights are views of the parameters
+        optimizer.load_state_dict(opt_sd["optimizer"])
     extra = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
     _set_rng_state(extra["rng"], device)
     return {"step": extra["step"], "consumed_samples": extra["consumed_samples"]}

@@ -173,7 +173,7 @@ def _start_point(recipe: Recipe, run_dir: str, resume) -> str | None:
     """The checkpoint this invocation continues from (verified), or None to start at step 1
     (with resume false, after removing the earlier run's outputs). A run dir holding
     checkpoints or metrics is never started over silently: RecipeError instead."""
-    from .checkpoint import NoUsableCheckpoint, find_resume_checkpoint
+    from .checkpoint import CheckpointProblem, NoUsableCheckpoint, check_optimizer_format, find_resume_checkpoint
     from .report import read_metrics
 
     if resume is False:
@@ -201,6 +201,10 @@ def _start_point(recipe: Recipe, run_dir: str, resume) -> str | None:
             f"{recipe.parallel.world_size}, but the checkpoint in {run_dir} was written by "
             f"{meta.get('world_size')} ranks (use another run.dir, or --no-resume)",
         )
+    try:
+        check_optimizer_format(meta, recipe.train.use_distributed_optimizer)
+    except CheckpointProblem as e:
+        raise RecipeError("train.use_distributed_optimizer", f"the checkpoint in {run_dir}: {e}") from None
     return path
 
 

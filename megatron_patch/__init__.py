@@ -24,6 +24,8 @@ from .config import (
     megamoe_executor,
     validate_megamoe,
 )
+from .distopt_checkpoint import DistOptCheckpointError
+from .distopt_checkpoint import install as _install_distopt_checkpoints
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
@@ -34,7 +36,10 @@ from .spec import (
     get_megamoe_moe_module_spec,
 )
 
+_install_distopt_checkpoints()  # DistributedOptimizer checkpoints of MegaMoE expert weights
+
 __all__ = [
+    "DistOptCheckpointError",
     "MegaMoEConfigError",
     "MegaMoEExperts",
     "MegaMoEMoELayer",
