@@ -115,14 +115,22 @@ def validate_megamoe(config) -> None:
     ep = config.expert_model_parallel_size or 1
     if E % ep:
         bad("num_moe_experts", f"{E} is not divisible by expert_model_parallel_size={ep}")
-    if (config.tensor_model_parallel_size or 1) > 1:
-        bad("tensor_model_parallel_size", f"must be 1 for MoE layers, got {config.tensor_model_parallel_size}")
+    # Tensor parallelism: attention and dense layers split, each TP rank's sequence shard
+    # dispatched through MegaMoE on its own (sequence parallelism); the experts are not split.
+    tp = config.tensor_model_parallel_size or 1
     if (config.expert_tensor_parallel_size or 1) > 1:
         bad(
-            "expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split"
+            "expert_tensor_parallel_size",
+            f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split (Megatron defaults it "
+            "to tensor_model_parallel_size; set it to 1, and pass expert_tensor_parallel_size=1 to "
+            "initialize_model_parallel)",
         )
-    if config.sequence_parallel:
-        bad("sequence_parallel", "not supported (needs tensor_model_parallel_size > 1, which is not supported)")
+    if tp > 1 and not config.sequence_parallel:
+        bad(
+            "sequence_parallel",
+            f"must be True with tensor_model_parallel_size={tp}: each TP rank dispatches its own sequence "
+            "shard (without it every TP rank would hold the same tokens)",
+        )
     # token dropping / capacity
     if config.moe_expert_capacity_factor is not None:
         bad("moe_expert_capacity_factor", "token dropping is not supported; leave it None")
