@@ -286,3 +286,45 @@ def checkpoint_both_ways(layout, ckpt_dir):
     exact(by_checkpoint_key(mega), ref_stock)
     exact(by_checkpoint_key(stock), ref_mega)
     return len(ref_stock)
+
+
+def context_parallel_moe_layer(rank, world, tol=1e-5):
+    """CP2 x EP2: Megatron's GPT attention needs Transformer Engine under context parallelism,
+    so the MoE layer alone, as a CP rank runs it: its own seq / CP tokens dispatched over the EP
+    group (which spans the CP ranks), the router's aux loss over the TP x CP group. Output, input
+    gradient and every parameter gradient against the stock MoELayer's."""
+    import functools
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_patch import MegaMoEMoELayer, get_megamoe_moe_module_spec
+
+    with parallel_layout(cp=2, ep=2):
+        assert parallel_state.get_context_parallel_world_size() == 2
+        out = {}
+        for recipe in (None, "bf16"):
+            cfg = layout_config(recipe, cp=2, num_layers=1)
+            spec = get_megamoe_moe_module_spec(cfg, use_te=False, num_experts=cfg.num_moe_experts)
+            torch.manual_seed(5)
+            layer = spec(config=cfg) if isinstance(spec, functools.partial) else build_module(spec, config=cfg)
+            layer = layer.to(cases.device())
+            if recipe is None:
+                stock_state = layer.state_dict()
+            else:
+                assert isinstance(layer, MegaMoEMoELayer)
+                layer.load_state_dict(stock_state, strict=True)
+            g = torch.Generator().manual_seed(77 + rank)  # every rank its own tokens (CP chunk, DP rank)
+            x = torch.randn(SEQ // 2, BATCH, cfg.hidden_size, generator=g).to(cases.device()).requires_grad_()
+            w = torch.randn(SEQ // 2, BATCH, cfg.hidden_size, generator=g).to(cases.device())
+            layer.train()
+            y, _ = layer(x)
+            (y * w).sum().backward()
+            grads = cases.per_expert({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
+            out[recipe] = (y.detach(), x.grad.detach(), grads)
+        (y1, dx1, g1), (y2, dx2, g2) = out[None], out["bf16"]
+        errs = {"y": rel_err(y2, y1), "dx": rel_err(dx2, dx1)}
+        errs["grads"] = compare(g2, g1, tol, "grads")
+        assert errs["y"] <= tol and errs["dx"] <= tol, errs
+        assert any("router" in n for n in g1) and len(g1) > 4
+        return errs

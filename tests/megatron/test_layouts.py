@@ -31,3 +31,9 @@ def check_layout_results(res, schedule, moe_layers):
     last = [r for r in res if r["loss"][0]]  # the last pipeline stage reports the losses
     assert last and all(len(r["loss"]) == 2 for r in last)
     assert all(r["n_keys"] > 10 and r["checkpoint_keys"] > 10 for r in res)
+
+
+def test_context_parallel_moe_layer_matches_stock(mcore_pool):
+    """CP2 x EP2, the MoE layer alone (Megatron's attention needs Transformer Engine under CP)."""
+    res = mcore_pool(world=4).run(cases.context_parallel_moe_layer)
+    assert len(res) == 4
