@@ -94,10 +94,20 @@ def describe(run: RankRun, built_s: float) -> str:
     from .model import count_params
 
     recipe, model, dev = run.recipe, run.model, run.dev
-    total, expert = count_params(model)
+    _, expert = count_params(model)
     expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
     dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
-    dense_params = total - expert  # this rank's: its pipeline stage, its TP shard
+    # dense weights: TP-split ones summed over the TP ranks, the others (norms, router) once;
+    # the pipeline stages hold different layers
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dense = sum(
+        p.numel() if getattr(p, "tensor_model_parallel", False) else p.numel() / tp
+        for n, p in model.named_parameters()
+        if getattr(p, "allreduce", True) and ".mlp.experts." not in n
+    )
+    dense_total = torch.tensor([round(dense)], dtype=torch.int64, device=dev)
+    dist.all_reduce(dense_total, group=parallel_state.get_model_parallel_group())
+    dense_params = int(dense_total)
     expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]

@@ -47,7 +47,8 @@ class MegaMoETransformerConfig(TransformerConfig):
       its first training call (megamoe_train.graphs): the host issues two graph launches instead
       of ~100 kernels and ops per call. Needs CUDA, the stacked expert parameters (the default
       MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer, no
-      pipeline parallelism and no repeated MTP layer (one forward in flight per layer), and the
+      pipeline parallelism and no repeated MTP layer (one forward in flight per layer), no shared
+      experts under tensor parallelism (their weights are gathered per call), and the
       GPU executor (a call
       that resolves to the reference cannot be captured: True then raises at the first call).
       None: on wherever all of that holds (`cuda_graphs_enabled`), off elsewhere.
@@ -215,6 +216,12 @@ def _graph_conflict(config) -> Optional[str]:
     megamoe_train.graphs), or None."""
     if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1:
         return "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)"
+    if (_get(config, "tensor_model_parallel_size", 1) or 1) > 1 and _get(config, "moe_shared_expert_intermediate_size"):
+        # a graph replays fixed inputs; the gathered shared weights are new tensors every call
+        return (
+            "cannot be combined with shared experts under tensor_model_parallel_size > 1 (their TP-split "
+            "weights are all-gathered at every call)"
+        )
     if _get(config, "recompute_granularity") is not None:
         return f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})"
     if _get(config, "mtp_use_repeated_layer") and (_get(config, "mtp_num_layers") or 0) > 1:

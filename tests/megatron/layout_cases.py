@@ -194,7 +194,7 @@ class Trained:
         assert ok
 
 
-def layout_training(rank, world, layout, ckpt_dir, steps=2, num_micro_batches=4, tol=1e-5, param_tol=1e-5):
+def layout_training(rank, world, layout, ckpt_dir, steps=2, num_micro_batches=4, tol=2e-5, param_tol=3e-5):
     """Stock vs MegaMoE under `layout` (parallel_layout's keywords): per step the losses, every
     gradient and the parameters after the optimizer step, keyed by checkpoint key; then model
     checkpoints saved by one kind and loaded by the other, both ways."""
@@ -227,7 +227,8 @@ def layout_training(rank, world, layout, ckpt_dir, steps=2, num_micro_batches=4,
             assert experts and all(g_stock[k].abs().max() > 0 for k in experts), "expert grads missing"
             stock.step(), mega.step()
             # Adam divides each gradient element by its own magnitude: a rounding-level difference
-            # of a near-zero gradient element moves its update by up to lr, hence the looser bound
+            # of a near-zero gradient element moves its update by up to lr (measured: up to 7e-6
+            # with lr 1e-4 on PP2 x TP2; the bounds leave room for other CPUs' summation orders)
             params = compare(by_checkpoint_key(mega.chunks), by_checkpoint_key(stock.chunks), param_tol, "params")
             report["param_err"].append(params)
         report["n_keys"] = len(g_stock)

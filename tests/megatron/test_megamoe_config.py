@@ -137,9 +137,14 @@ def test_rank_capacity_factor_rejected_with_the_flex_dispatcher():
 
 def test_cuda_graph_needs_one_forward_in_flight():
     assert make(moe_megamoe_cuda_graph=True).moe_megamoe_cuda_graph
-    for setting, value in (("recompute_granularity", "selective"), ("pipeline_model_parallel_size", 2)):
-        cfg = make(moe_megamoe_cuda_graph=True)
-        setattr(cfg, setting, value)
+    for settings in (
+        dict(recompute_granularity="selective"),
+        dict(pipeline_model_parallel_size=2),
+        dict(tensor_model_parallel_size=2, sequence_parallel=True),  # with shared experts (below)
+    ):
+        cfg = make(moe_megamoe_cuda_graph=True, moe_shared_expert_intermediate_size=64)
+        for setting, value in settings.items():
+            setattr(cfg, setting, value)
         with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_cuda_graph:"):
             validate_megamoe(cfg)
         cfg.moe_megamoe_cuda_graph = False
