@@ -92,13 +92,6 @@ def build_model(recipe, device: str):
         overlap_grad_reduce=t.overlap_grad_reduce,
         use_distributed_optimizer=t.use_distributed_optimizer,
     )
-    # The 1/DP of the data-parallel mean is in the loss the trainer differentiates (train.py), so
-    # DDP must sum the gradients without scaling them first. DDP reads that from
-    # calculate_per_token_loss; nothing else the trainer runs does (megatron's schedules do, unused).
-    # Otherwise DDP multiplies every gradient buffer by 1/DP before the reduction: a pass over all
-    # fp32 main_grads, the expert ones too (their reduction group has one rank under full EP).
-    # (Under pipeline parallelism the schedule runs; pipeline_schedule() sets it back after.)
-    cfg.calculate_per_token_loss = True
     chunks = []
     for stage in range(vp or 1):  # one model chunk per virtual pipeline stage, as Megatron-LM builds them
         vp_stage = stage if vp else None
@@ -124,8 +117,16 @@ def build_model(recipe, device: str):
             for p in gpt.parameters():
                 if getattr(p, "allreduce", True):
                     dist.broadcast(p.data, src=src, group=dp_group)
-        chunk = Float16Module(cfg, gpt) if cfg.bf16 else gpt
-        chunks.append(DistributedDataParallel(cfg, ddp_cfg, chunk, disable_bucketing=stage > 0))
+        chunks.append(Float16Module(cfg, gpt) if cfg.bf16 else gpt)
+    # The 1/DP of the data-parallel mean is in the loss the trainer differentiates (train.py), so
+    # DDP must sum the gradients without scaling them first. DDP reads that from
+    # calculate_per_token_loss; nothing else the trainer runs does (megatron's schedules do, unused;
+    # the routers read it when built, so it is set after them). Otherwise DDP multiplies every gradient buffer
+    # by 1/DP before the reduction: a pass over all fp32 main_grads, the expert ones too (their
+    # reduction group has one rank under full EP). Under pipeline parallelism the schedule runs:
+    # pipeline_schedule() sets it back after.
+    cfg.calculate_per_token_loss = True
+    chunks = [DistributedDataParallel(cfg, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     if recipe.parallel.pipeline_parallel > 1:
         pipeline_schedule(cfg, chunks)
     model = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
