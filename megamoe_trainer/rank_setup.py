@@ -51,9 +51,13 @@ def init_parallel(recipe: Recipe, device: str):
         from megatron_patch import cpu_compat
 
         cpu_compat.apply()
+    p = recipe.parallel
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=recipe.parallel.tensor_parallel,
-        expert_model_parallel_size=recipe.parallel.expert_parallel,
+        tensor_model_parallel_size=p.tensor_parallel,
+        pipeline_model_parallel_size=p.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_stages,
+        expert_model_parallel_size=p.expert_parallel,
+        expert_tensor_parallel_size=1,  # experts unsplit (Megatron's default would be tensor_parallel)
     )
     torch.manual_seed(recipe.run.seed)
     model_parallel_cuda_manual_seed(recipe.run.seed)
@@ -90,10 +94,20 @@ def describe(run: RankRun, built_s: float) -> str:
     from .model import count_params
 
     recipe, model, dev = run.recipe, run.model, run.dev
-    total, expert = count_params(model)
+    _, expert = count_params(model)
     expert_total = torch.tensor([expert], dtype=torch.int64, device=dev)  # NCCL reduces GPU tensors only
     dist.all_reduce(expert_total)  # every rank holds its own experts (expert-DP replicas: divide out)
-    dense_params = total - expert  # replicated on every rank (TP 1)
+    # dense weights: TP-split ones summed over the TP ranks, the others (norms, router) once;
+    # the pipeline stages hold different layers
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dense = sum(
+        p.numel() if getattr(p, "tensor_model_parallel", False) else p.numel() / tp
+        for n, p in model.named_parameters()
+        if getattr(p, "allreduce", True) and ".mlp.experts." not in n
+    )
+    dense_total = torch.tensor([round(dense)], dtype=torch.int64, device=dev)
+    dist.all_reduce(dense_total, group=parallel_state.get_model_parallel_group())
+    dense_params = int(dense_total)
     expert_params = int(expert_total) // max(1, parallel_state.get_expert_data_parallel_world_size())
     m, moe, p = recipe.model, recipe.moe, recipe.parallel
     moe_layers = [type(mod).__name__ for mod in model.modules() if isinstance(mod, MoELayer)]
@@ -108,7 +122,9 @@ def describe(run: RankRun, built_s: float) -> str:
                 model.config, megamoe_config(model.config, dtype=model.config.params_dtype), dev
             )
     return (
-        f"[megamoe-train] {run.world} ranks on {run.device} | EP {p.expert_parallel}, TP {p.tensor_parallel}, "
+        f"[megamoe-train] {run.world} ranks on {run.device} | EP {p.expert_parallel}, TP {p.tensor_parallel}"
+        f"{' (sequence parallel)' if p.tensor_parallel > 1 else ''}, PP {p.pipeline_parallel}"
+        f"{f' x {p.virtual_pipeline_stages} virtual' if p.virtual_pipeline_stages else ''}, "
         f"DP {recipe.data_parallel_size} | {m.num_layers} layers, hidden {m.hidden_size}, {moe.num_experts} experts "
         f"top-{moe.topk} (I={moe.ffn_hidden_size}{shared}) | "
         f"MoE: {'MegaMoE ' + moe.megamoe_recipe if moe.megamoe_recipe else 'stock Megatron'} "

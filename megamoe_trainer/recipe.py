@@ -102,42 +102,71 @@ class RunSection(_Section):
 @dataclass
 class ParallelSection(_Section):
     prefix = "parallel"
-    _positive_keys = ("world_size", "expert_parallel", "tensor_parallel")
+    _positive_keys = (
+        "world_size",
+        "expert_parallel",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "virtual_pipeline_stages",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is present
     world_size: int = 1  # processes; on cuda one per GPU
-    expert_parallel: int = 1  # EP size: must divide world_size / tensor_parallel and moe.num_experts
-    tensor_parallel: int = 1  # TP size for attention / dense layers (experts use expert TP 1)
+    # EP size: must divide the ranks of one pipeline stage (world_size / pipeline_parallel) and
+    # moe.num_experts; the EP group is ranks of one stage (with TP > 1 it spans the TP ranks)
+    expert_parallel: int = 1
+    # TP size for attention / dense layers, with sequence parallelism (each TP rank's sequence
+    # shard goes through the MoE layers on its own; experts use expert TP 1)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1  # PP stages (Megatron's 1F1B schedule over train.grad_accum_steps micro-batches)
+    # model chunks per pipeline stage (Megatron's interleaved schedule); None: one
+    virtual_pipeline_stages: Optional[int] = None
     # CUDA: each rank's process on its own share of the CPUs near its GPU (megamoe_train/launch.py),
     # so ranks' hosts do not compete for cores or get moved across NUMA nodes (off by default: no
     # measured gain on a one-NUMA-node 2x H200 host)
     pin_cpus: bool = False
 
     def check(self, recipe: Recipe) -> None:
-        m, moe = recipe.model, recipe.moe
-        if self.world_size % self.tensor_parallel:
+        m, moe, t = recipe.model, recipe.moe, recipe.train
+        tp, pp, vp = self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline_stages or 1
+        if self.world_size % (tp * pp):
             self._fail(
-                "tensor_parallel", f"{self.tensor_parallel} does not divide parallel.world_size={self.world_size}"
+                "pipeline_parallel" if pp > 1 and self.world_size % tp == 0 else "tensor_parallel",
+                f"tensor_parallel x pipeline_parallel = {tp} x {pp} does not divide "
+                f"parallel.world_size={self.world_size}",
             )
-        if self.world_size % self.expert_parallel:
-            self._fail(
-                "expert_parallel", f"{self.expert_parallel} does not divide parallel.world_size={self.world_size}"
-            )
+        stage_ranks = self.world_size // pp
+        if stage_ranks % self.expert_parallel:
+            where = f"parallel.world_size={self.world_size}"
+            if pp > 1:
+                where = f"the {stage_ranks} ranks of a pipeline stage ({where} / pipeline_parallel={pp})"
+            self._fail("expert_parallel", f"{self.expert_parallel} does not divide {where}")
         if moe.num_experts % self.expert_parallel:
             self._fail("expert_parallel", f"{self.expert_parallel} does not divide moe.num_experts={moe.num_experts}")
-        if m.num_attention_heads % self.tensor_parallel:
+        if m.num_attention_heads % tp:
+            self._fail("tensor_parallel", f"{tp} does not divide model.num_attention_heads={m.num_attention_heads}")
+        if m.seq_length % tp:  # sequence parallelism splits each sequence over the TP ranks
             self._fail(
-                "tensor_parallel",
-                f"{self.tensor_parallel} does not divide model.num_attention_heads={m.num_attention_heads}",
+                "tensor_parallel", f"{tp} does not divide model.seq_length={m.seq_length} (sequence parallelism)"
             )
-        if self.tensor_parallel > 1 and moe.megamoe_recipe is not None:
-            self._fail("tensor_parallel", "MegaMoE layers support tensor_parallel 1 only (use expert_parallel)")
-        if (
-            self.tensor_parallel > 1
-        ):  # the stock MoELayer's forward raises in training under TP without sequence parallelism
+        if self.virtual_pipeline_stages is not None and pp == 1:
+            self._fail("virtual_pipeline_stages", "needs parallel.pipeline_parallel > 1")
+        if m.num_layers % (pp * vp):
             self._fail(
-                "tensor_parallel",
-                "Megatron's MoE layers train with tensor_parallel > 1 only under sequence "
-                "parallelism, which this trainer does not enable: use tensor_parallel 1 (and expert_parallel)",
+                "pipeline_parallel",
+                f"pipeline_parallel x virtual_pipeline_stages = {pp} x {vp} does not divide "
+                f"model.num_layers={m.num_layers}",
+            )
+        if vp > 1 and t.grad_accum_steps % pp:
+            self._fail(
+                "virtual_pipeline_stages",
+                f"the interleaved schedule needs train.grad_accum_steps (micro-batches, {t.grad_accum_steps}) "
+                f"to be a multiple of parallel.pipeline_parallel={pp}",
+            )
+        if pp > 1 and moe.megamoe_recipe is not None and moe.megamoe_cuda_graph:
+            raise RecipeError(
+                "moe.megamoe_cuda_graph",
+                "CUDA-graphed MegaMoE layers need parallel.pipeline_parallel 1: a pipeline schedule runs "
+                "several forwards of a layer before their backwards, a graphed layer holds one",
             )
 
 
@@ -249,7 +278,7 @@ class MoESection(_Section):
     # first backward writes the expert wgrads over it (megatron_patch.grad_buffers): no zeroing
     # pass and no read of main_grad in that GEMM
     megamoe_overwrite_main_grad: bool = True
-    max_tokens_per_rank: Optional[int] = None  # MegaMoE buffer size; None = micro_batch * seq_length
+    max_tokens_per_rank: Optional[int] = None  # MegaMoE buffer size; None = micro_batch * seq_length / TP
 
     def check(self, recipe: Recipe) -> None:
         t, m = recipe.train, recipe.model
@@ -284,12 +313,13 @@ class MoESection(_Section):
                 f"unknown recipe {self.megamoe_recipe!r}; choose one of {', '.join(MEGAMOE_RECIPES)} "
                 "or null (stock Megatron MoE)",
             )
-        routed = t.micro_batch_size * m.seq_length
+        tp = recipe.parallel.tensor_parallel
+        routed = t.micro_batch_size * m.seq_length // tp  # sequence parallelism: 1/TP of each sequence
         if recipe.max_tokens_per_rank < routed:
             self._fail(
                 "max_tokens_per_rank",
                 f"{self.max_tokens_per_rank} is below the tokens one rank routes per step "
-                f"(train.micro_batch_size * model.seq_length = {routed})",
+                f"(train.micro_batch_size * model.seq_length / parallel.tensor_parallel = {routed})",
             )
         if self.megamoe_cuda_graph and recipe.parallel.device != "cuda":
             self._fail("megamoe_cuda_graph", f"CUDA graphs need parallel.device: cuda, got {recipe.parallel.device!r}")
@@ -473,7 +503,8 @@ class Recipe:
     # ---- derived -------------------------------------------------------------------------
     @property
     def data_parallel_size(self) -> int:
-        return self.parallel.world_size // self.parallel.tensor_parallel
+        p = self.parallel
+        return p.world_size // (p.tensor_parallel * p.pipeline_parallel)
 
     @property
     def global_batch_size(self) -> int:
@@ -486,7 +517,9 @@ class Recipe:
 
     @property
     def max_tokens_per_rank(self) -> int:
-        return self.moe.max_tokens_per_rank or self.train.micro_batch_size * self.model.seq_length
+        # sequence parallelism: a rank's MoE layers see its 1/TP of each sequence
+        default = self.train.micro_batch_size * self.model.seq_length // self.parallel.tensor_parallel
+        return self.moe.max_tokens_per_rank or default
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -705,6 +738,10 @@ _MEGATRON_KEYS = {
     "normalization": "model.normalization",
     "tensor_model_parallel_size": "parallel.tensor_parallel",
     "expert_model_parallel_size": "parallel.expert_parallel",
+    "pipeline_model_parallel_size": "parallel.pipeline_parallel",
+    "virtual_pipeline_model_parallel_size": "parallel.virtual_pipeline_stages",
+    "sequence_parallel": "parallel.tensor_parallel",
+    "moe_megamoe_cuda_graph": "moe.megamoe_cuda_graph",
     "num_moe_experts": "moe.num_experts",
     "moe_router_topk": "moe.topk",
     "moe_ffn_hidden_size": "moe.ffn_hidden_size",

@@ -14,6 +14,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
 from .recipe import Recipe
 
@@ -58,6 +59,8 @@ class Stepper:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.loss_scale = 1.0 / (self.accum * self.dp_size)
+        self.pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+        self.chunks = list(run.model) if isinstance(run.model, torch.nn.ModuleList) else [run.model]
 
     def fetch(self, step_start: int, micro: int) -> dict:
         """Micro-batch `micro` of the step whose samples start at step_start: micro-batch i
@@ -69,10 +72,49 @@ class Stepper:
             return {k: v.pin_memory().to(self.run.dev, non_blocking=True) for k, v in batch.items()}
         return batch
 
+    def pipeline_step(self, batch: dict, consumed: int) -> tuple[torch.Tensor, dict]:
+        """The step's micro-batches through Megatron's pipeline schedule (1F1B, or interleaved
+        over virtual stages; gradients finalized). Every stage reads the micro-batches (the first
+        stage the tokens, the last the labels); the mean loss comes from the last stage."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = [batch] + [self.fetch(consumed, micro) for micro in range(1, self.accum)]
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            per_token = model(b["tokens"], b["position_ids"], None, labels=b["labels"])  # [B, S]
+
+            def loss_func(output):
+                mask = b["loss_mask"]
+                micro_loss = (output.float() * mask).sum() / mask.sum().clamp(min=1)
+                # a copy: the schedule divides the loss by the micro-batches in place
+                return micro_loss, {"loss": micro_loss.detach().clone()}
+
+            return per_token, loss_func
+
+        iters = [iter(batches) for _ in self.chunks]
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=self.accum,
+            seq_length=self.run.recipe.model.seq_length,
+            micro_batch_size=self.mbs,
+            forward_only=False,
+        )
+        dev = batch["tokens"].device
+        loss = torch.stack([d["loss"] for d in losses]).mean() if losses else torch.zeros((), device=dev)
+        # the last stage's loss to every stage of the pipeline (the step's numbers are per rank)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        dist.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+        return loss, batches[-1]
+
     @contextlib.contextmanager
     def aux_losses_scaled(self):
-        """Megatron's MoE aux losses scaled like the main loss while the steps run."""
-        if self.loss_scale == 1.0:
+        """Megatron's MoE aux losses scaled like the main loss while the steps run (under
+        pipeline parallelism the schedule scales them, model.pipeline_schedule)."""
+        if self.loss_scale == 1.0 or self.pipelined:
             yield
             return
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -95,7 +137,9 @@ class Stepper:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = 0.0
-        for micro in range(accum):  # gradients add up in main_grad; DDP reduces after the last
+        if self.pipelined:
+            loss, batch = self.pipeline_step(batch, consumed)
+        for micro in range(0 if self.pipelined else accum):  # gradients add up in main_grad; DDP reduces after the last
             with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [B, S]
                 mask = batch["loss_mask"]
@@ -104,7 +148,8 @@ class Stepper:
             loss = loss + micro_loss.detach() / accum
             if micro < accum - 1:
                 batch = self.fetch(consumed, micro + 1)
-        finalize_model_grads([model])
+        if not self.pipelined:  # the pipeline schedule finalizes them itself
+            finalize_model_grads([model])
         ok, grad_norm, _ = optimizer.step()
         next_batch = self.fetch(consumed + self.gbs, 0) if prefetch else None
 

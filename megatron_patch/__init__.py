@@ -29,6 +29,7 @@ from .distopt_checkpoint import install as _install_distopt_checkpoints
 from .experts import MegaMoEExperts, invalidate_expert_weight_caches
 from .megakernel import register_megakernel_backend
 from .moe_layer import MegaMoEMoELayer, get_expert_load, get_peer_wait_ns, routing_to_topk
+from .norms import SequenceParallelTorchNorm, sequence_parallel_norms
 from .spec import (
     get_megamoe_gpt_decoder_block_spec,
     get_megamoe_gpt_layer_spec,
@@ -44,6 +45,7 @@ __all__ = [
     "MegaMoEExperts",
     "MegaMoEMoELayer",
     "MegaMoETransformerConfig",
+    "SequenceParallelTorchNorm",
     "cpu_compat",
     "cuda_graphs_enabled",
     "describe_megamoe_executor",
@@ -59,5 +61,6 @@ __all__ = [
     "megamoe_executor",
     "register_megakernel_backend",
     "routing_to_topk",
+    "sequence_parallel_norms",
     "validate_megamoe",
 ]

@@ -47,7 +47,8 @@ class MegaMoETransformerConfig(TransformerConfig):
       its first training call (megamoe_train.graphs): the host issues two graph launches instead
       of ~100 kernels and ops per call. Needs CUDA, the stacked expert parameters (the default
       MegaMoEExperts, not the megakernel backend), no activation recompute of the MoE layer, no
-      pipeline parallelism and no repeated MTP layer (one forward in flight per layer), and the
+      pipeline parallelism and no repeated MTP layer (one forward in flight per layer), no shared
+      experts under tensor parallelism (their weights are gathered per call), and the
       GPU executor (a call
       that resolves to the reference cannot be captured: True then raises at the first call).
       None: on wherever all of that holds (`cuda_graphs_enabled`), off elsewhere.
@@ -115,14 +116,22 @@ def validate_megamoe(config) -> None:
     ep = config.expert_model_parallel_size or 1
     if E % ep:
         bad("num_moe_experts", f"{E} is not divisible by expert_model_parallel_size={ep}")
-    if (config.tensor_model_parallel_size or 1) > 1:
-        bad("tensor_model_parallel_size", f"must be 1 for MoE layers, got {config.tensor_model_parallel_size}")
+    # Tensor parallelism: attention and dense layers split, each TP rank's sequence shard
+    # dispatched through MegaMoE on its own (sequence parallelism); the experts are not split.
+    tp = config.tensor_model_parallel_size or 1
     if (config.expert_tensor_parallel_size or 1) > 1:
         bad(
-            "expert_tensor_parallel_size", f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split"
+            "expert_tensor_parallel_size",
+            f"must be 1, got {config.expert_tensor_parallel_size}: experts are not split (Megatron defaults it "
+            "to tensor_model_parallel_size; set it to 1, and pass expert_tensor_parallel_size=1 to "
+            "initialize_model_parallel)",
         )
-    if config.sequence_parallel:
-        bad("sequence_parallel", "not supported (needs tensor_model_parallel_size > 1, which is not supported)")
+    if tp > 1 and not config.sequence_parallel:
+        bad(
+            "sequence_parallel",
+            f"must be True with tensor_model_parallel_size={tp}: each TP rank dispatches its own sequence "
+            "shard (without it every TP rank would hold the same tokens)",
+        )
     # token dropping / capacity
     if config.moe_expert_capacity_factor is not None:
         bad("moe_expert_capacity_factor", "token dropping is not supported; leave it None")
@@ -207,6 +216,12 @@ def _graph_conflict(config) -> Optional[str]:
     megamoe_train.graphs), or None."""
     if (_get(config, "pipeline_model_parallel_size", 1) or 1) > 1:
         return "needs pipeline_model_parallel_size = 1 (a graphed layer holds one forward in flight)"
+    if (_get(config, "tensor_model_parallel_size", 1) or 1) > 1 and _get(config, "moe_shared_expert_intermediate_size"):
+        # a graph replays fixed inputs; the gathered shared weights are new tensors every call
+        return (
+            "cannot be combined with shared experts under tensor_model_parallel_size > 1 (their TP-split "
+            "weights are all-gathered at every call)"
+        )
     if _get(config, "recompute_granularity") is not None:
         return f"cannot be combined with activation recompute (recompute_granularity={config.recompute_granularity!r})"
     if _get(config, "mtp_use_repeated_layer") and (_get(config, "mtp_num_layers") or 0) > 1:

@@ -48,7 +48,10 @@ def register_megakernel_backend() -> bool:
                 if not hasattr(config, name):
                     setattr(config, name, default)
             # the native modules stay the parameter owners (not registered again here)
-            self._call = MegaMoECall(config, ep_group, routed_experts, shared_experts, num_local_experts)
+            tp_group = getattr(shared_experts, "tp_group", None)  # Megatron's MLP splits the shared experts over it
+            self._call = MegaMoECall(
+                config, ep_group, routed_experts, shared_experts, num_local_experts, tp_group=tp_group
+            )
             self.topk = config.moe_router_topk
 
         def forward(self, hidden_states, probs, routing_map):

@@ -63,10 +63,11 @@ class MegaMoECall:
     it (the megakernel backend, megakernel.py), whose per-expert weights are then stacked per
     forward."""
 
-    def __init__(self, config, ep_group, experts, shared_experts, num_local_experts: int):
+    def __init__(self, config, ep_group, experts, shared_experts, num_local_experts: int, tp_group=None):
         validate_megamoe(config)
         self.config = config
         self.ep_group = ep_group
+        self.tp_group = tp_group  # the shared experts' weights are split over it (Megatron's MLP)
         self.experts = experts
         self.shared_experts = shared_experts
         self.num_local_experts = num_local_experts
@@ -114,7 +115,7 @@ class MegaMoECall:
             fc1, fc2 = self.shared_experts.linear_fc1, self.shared_experts.linear_fc2
             for module in (fc1, fc2):  # mega_moe reads their weights, never calls them
                 _run_forward_pre_hooks(module)
-            shared = dict(shared_w1=fc1.weight, shared_w2=fc2.weight)
+            shared = dict(zip(("shared_w1", "shared_w2"), _full_shared_weights(fc1.weight, fc2.weight, self.tp_group)))
         # Gradient-accumulation fusion where the weights are DDP's stacked parameters (main_grad
         # set); the megakernel backend's per-forward stack has no accumulator of its own.
         fuse = (
@@ -161,6 +162,26 @@ class MegaMoECall:
             fuse_wgrad_accumulation=fuse,
             **shared,
         )
+
+
+def _full_shared_weights(w1: torch.Tensor, w2: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared experts' whole weights from this TP rank's shards: under tensor parallelism
+    Megatron's MLP holds fc1 [2I/tp, H] as this rank's [gate; up] rows and fc2 [H, I/tp] as its
+    columns. Every TP rank runs the whole shared MLP on its own sequence shard, so the parameters
+    stay Megatron's (checkpoint keys, optimizer layout, grad buffers as in a stock model); the
+    all-gather's backward reduce-scatters the weight gradient, the sum over the TP ranks' tokens
+    that stock's gathered-sequence GEMMs compute."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return w1, w2
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    tp = dist.get_world_size(tp_group)
+    gathered = gather_from_sequence_parallel_region(w1, tensor_parallel_output_grad=True, group=tp_group)
+    rows, hidden = w1.shape[0] // 2, w1.shape[1]
+    # [tp x (gate_r; up_r)] -> [gate_0 .. gate_tp-1; up_0 .. up_tp-1]
+    full_w1 = gathered.view(tp, 2, rows, hidden).transpose(0, 1).reshape(2 * tp * rows, hidden)
+    full_w2 = gather_from_sequence_parallel_region(w2.t(), tensor_parallel_output_grad=True, group=tp_group).t()
+    return full_w1, full_w2.contiguous()
 
 
 def _run_forward_pre_hooks(module: torch.nn.Module) -> None:
@@ -218,7 +239,9 @@ class MegaMoEMoELayer(MoELayer):
         self.register_buffer(
             "expert_recv_stats", torch.zeros(self.num_local_experts, dtype=torch.int64, device=device), persistent=False
         )
-        self.megamoe = MegaMoECall(config, self.ep_group, self.experts, self.shared_experts, self.num_local_experts)
+        self.megamoe = MegaMoECall(
+            config, self.ep_group, self.experts, self.shared_experts, self.num_local_experts, tp_group=self.tp_group
+        )
         self._hidden_shape = None
 
     # -- MoELayer stages ------------------------------------------------------------------------

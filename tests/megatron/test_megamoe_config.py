@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_patch import MegaMoEConfigError, MegaMoETransformerConfig, max_tokens_per_rank, validate_megamoe  # noqa: E402
@@ -53,7 +54,9 @@ REJECTED = [
     ("moe_megamoe_max_tokens_per_rank", dict(moe_megamoe_max_tokens_per_rank=0)),
     ("num_moe_experts", dict(num_moe_experts=3, moe_router_topk=2)),
     ("expert_tensor_parallel_size", dict(expert_tensor_parallel_size=2)),
-    ("tensor_model_parallel_size", dict(tensor_model_parallel_size=2)),
+    # Megatron defaults expert_tensor_parallel_size to tensor_model_parallel_size
+    ("expert_tensor_parallel_size", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    ("sequence_parallel", dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)),
     ("moe_expert_capacity_factor", dict(moe_expert_capacity_factor=1.0, moe_token_dispatcher_type="alltoall")),
     ("gated_linear_unit", dict(gated_linear_unit=False)),
     ("activation_func", dict(activation_func=F.gelu)),
@@ -87,7 +90,6 @@ LATE = [
     ("moe_router_padding_for_quantization", True),
     ("moe_pad_expert_input_to_capacity", True),
     ("moe_token_dropping", True),
-    ("sequence_parallel", True),
     ("moe_apply_probs_on_input", True),
     ("moe_mlp_glu_interleave_size", 32),
     ("moe_single_grouped_weight", True),
@@ -106,6 +108,22 @@ def test_rejected_by_validate(setting, value):
         validate_megamoe(cfg)
 
 
+def test_tensor_parallel_with_sequence_parallel_accepted():
+    """TP for attention and dense layers, sequence parallelism, experts unsplit (ETP 1), with
+    pipeline and context parallelism beside it."""
+    cfg = make(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
+    assert cfg.tensor_model_parallel_size == 2 and cfg.expert_tensor_parallel_size == 1
+    make(
+        pipeline_model_parallel_size=2,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_tensor_parallel_size=1,
+        num_layers=4,
+        pipeline_dtype=torch.float32,
+    )
+    make(context_parallel_size=2)
+
+
 def test_rank_capacity_factor_rejected_with_the_flex_dispatcher():
     """Stock's flex dispatchers drop (hybridep) or refuse (ncclep) tokens past the per-rank budget;
     the other dispatchers ignore it, as MegaMoE may."""
@@ -119,9 +137,14 @@ def test_rank_capacity_factor_rejected_with_the_flex_dispatcher():
 
 def test_cuda_graph_needs_one_forward_in_flight():
     assert make(moe_megamoe_cuda_graph=True).moe_megamoe_cuda_graph
-    for setting, value in (("recompute_granularity", "selective"), ("pipeline_model_parallel_size", 2)):
-        cfg = make(moe_megamoe_cuda_graph=True)
-        setattr(cfg, setting, value)
+    for settings in (
+        dict(recompute_granularity="selective"),
+        dict(pipeline_model_parallel_size=2),
+        dict(tensor_model_parallel_size=2, sequence_parallel=True),  # with shared experts (below)
+    ):
+        cfg = make(moe_megamoe_cuda_graph=True, moe_shared_expert_intermediate_size=64)
+        for setting, value in settings.items():
+            setattr(cfg, setting, value)
         with pytest.raises(MegaMoEConfigError, match="^moe_megamoe_cuda_graph:"):
             validate_megamoe(cfg)
         cfg.moe_megamoe_cuda_graph = False

@@ -99,12 +99,25 @@ moe: {num_experts: 8, topk: 2, ffn_hidden_size: 128}
         (["moe.megamoe_recipe=fp8", "model.hidden_size=96", "model.num_attention_heads=4"], "model.hidden_size"),
         (["moe.megamoe_backend=warp9"], "moe.megamoe_backend"),  # rejected by the adapter's config check
         (["moe.megamoe_cuda_graph=true"], "moe.megamoe_cuda_graph"),  # CUDA graphs on the CPU recipe
-        (["parallel.tensor_parallel=2"], "parallel.tensor_parallel"),
-        # stock MoE under TP: Megatron's MoELayer raises in training without sequence parallelism
+        (["parallel.tensor_parallel=3"], "parallel.tensor_parallel"),  # does not divide world size
+        (["parallel.tensor_parallel=2", "model.seq_length=65"], "parallel.tensor_parallel"),  # sequence parallel
+        (["parallel.pipeline_parallel=2"], "parallel.expert_parallel"),  # a stage of 1 rank cannot hold EP 2
+        (["parallel.world_size=4", "parallel.pipeline_parallel=2", "model.num_layers=3"], "parallel.pipeline_parallel"),
+        (["parallel.virtual_pipeline_stages=2"], "parallel.virtual_pipeline_stages"),  # needs pipeline stages
         (
-            ["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "moe.megamoe_recipe=null"],
-            "parallel.tensor_parallel",
-        ),
+            [
+                "parallel.world_size=4",
+                "parallel.pipeline_parallel=2",
+                "parallel.virtual_pipeline_stages=2",
+                "model.num_layers=4",
+                "train.grad_accum_steps=3",
+            ],
+            "parallel.virtual_pipeline_stages",
+        ),  # the interleaved schedule: micro-batches a multiple of the stages
+        (
+            ["parallel.world_size=4", "parallel.pipeline_parallel=2", "moe.megamoe_cuda_graph=true"],
+            "moe.megamoe_cuda_graph",
+        ),  # graphed layers hold one forward in flight
         (["model.attention=flash"], "model.attention"),  # the old name of perf.attention, as written
         (["perf.attention=flash"], "perf.attention"),
         (["perf.gc_every=-1"], "perf.gc_every"),
