@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_wide_pools():
+    """Pools of more than 2 ranks end with the module that used them: their idle processes still
+    take CPU time (seen 2026-12-03: 12 idle ranks held about one of CI's two cores for the rest of
+    the run), and few modules need them."""
+    yield
+    for key in [k for k in _POOLS if k[0] > 2]:
+        _POOLS.pop(key).close()

@@ -24,3 +24,13 @@ def mcore_pool():
     for pool in _POOL.values():
         pool.close()
     _POOL.clear()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_wide_pools():
+    """Pools of more than 2 ranks end with the module that used them: their idle processes still
+    take CPU time (seen 2026-12-03: 12 idle ranks held about one of CI's two cores for the rest of
+    the run), and few modules need them."""
+    yield
+    for key in [k for k in _POOL if k[1] > 2]:
+        _POOL.pop(key).close()

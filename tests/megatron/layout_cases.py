@@ -171,7 +171,11 @@ class Trained:
     def forward_backward(self, batches):
         """Losses of the micro-batches on the last stage ([] elsewhere); gradients reduced."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+        # process-global: a test run earlier in this pool process may have left a 0-dim scale,
+        # which the schedule's [1]-shaped one cannot be copied into
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         for d in self.ddp:
             d.zero_grad_buffer()
         self.optimizer.zero_grad()

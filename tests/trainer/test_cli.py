@@ -592,7 +592,7 @@ def test_deepseek_proxy_features_train_on_cpu(tmp_path):
         args += ["--set", f"{k}={v}"]
     code, out, err = _run_cli(args)
     assert code == 0, out + err
-    assert "MegaMoE fp8 (1 x MegaMoEMoELayer)" in out, out
+    assert "MegaMoE fp8 (1 x MegaMoEMoELayer on reference)" in out, out
     records = _metrics(str(tmp_path / "ds"))
     assert [r["step"] for r in records] == [1, 2]
     assert len(records[0]["expert_load"]) == 1 and len(records[0]["expert_load"][0]) == 16
