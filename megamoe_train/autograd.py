@@ -16,7 +16,7 @@ def _leave(buffer: SymmBuffer, where: str, err: BaseException):
     """This rank raised before joining its next protocol call: mark the buffer failed so peers
     waiting in that call stop at once (protocol._guarded's rule) instead of timing out or
     pairing that call with this rank's next one."""
-    call = buffer.session.call_count + 1
+    call = buffer.call_state.call_count + 1
     buffer.fail(f"rank {buffer.rank} failed before call {call} ({where}): {type(err).__name__}: {err}", call * 4)
 
 

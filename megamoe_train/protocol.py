@@ -125,12 +125,12 @@ def _raise_on_mismatch(status: torch.Tensor, rank: int, deferred: bool):
 
 
 def _raise_deferred(buf: SymmBuffer):
-    ready = buf.session.ready()
+    ready = buf.call_state.ready()
     for i, pending in enumerate(ready):
         try:
             _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
         except BaseException:
-            buf.session.pending[:0] = ready[i + 1 :]  # later verdicts are raised at the next call, not lost
+            buf.call_state.pending[:0] = ready[i + 1 :]  # later verdicts are raised at the next call, not lost
             raise
 
 
@@ -151,7 +151,7 @@ def _exchange_status(buf: SymmBuffer, verdict: torch.Tensor, layer_id: int, forw
     the call's first barrier (SymmBuffer.exchange_status). Returns (status [R, 4] of this call,
     the call epoch, whether every rank accepted its input and is in this very call: a bool
     device scalar)."""
-    call = buf.session.next_call()
+    call = buf.call_state.next_call()
     # A captured call compares the words on the device (and traps on a mismatch or a rejected
     # input): its replays run no host code, so no later call could raise what they route.
     captured = buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -175,8 +175,8 @@ def _guarded(step):
     def run(executor: Executor, buf: SymmBuffer, *args, **kwargs):
         buf.check_usable()
         if buf.device.type == "cuda":
-            buf.session.follow_previous_call(torch.cuda.current_stream(buf.device))
-        call = buf.session.call_count + 1  # the epoch this step takes (next_call), failing before it or after
+            buf.call_state.follow_previous_call(torch.cuda.current_stream(buf.device))
+        call = buf.call_state.call_count + 1  # the epoch this step takes (next_call), failing before it or after
         try:
             return step(executor, buf, *args, **kwargs)
         except (MegaMoEInputError, MegaMoECallMismatchError):
@@ -199,7 +199,7 @@ def _run_shared(buf: SymmBuffer, fn, *tensors):
     until _join_shared (its results are then safe to use and free on the current stream)."""
     if buf.device.type != "cuda":
         return fn(*tensors)
-    main, side = torch.cuda.current_stream(), buf.session.stream(buf.device)
+    main, side = torch.cuda.current_stream(), buf.call_state.stream(buf.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         out = fn(*tensors)
@@ -213,8 +213,8 @@ def _run_shared(buf: SymmBuffer, fn, *tensors):
 
 
 def _join_shared(buf: SymmBuffer):
-    if buf.device.type == "cuda" and buf.session.side_stream is not None:
-        torch.cuda.current_stream().wait_stream(buf.session.side_stream)
+    if buf.device.type == "cuda" and buf.call_state.side_stream is not None:
+        torch.cuda.current_stream().wait_stream(buf.call_state.side_stream)
 
 
 # ----------------------------------------------------------------------------- forward / backward
@@ -252,7 +252,7 @@ def forward(
         _raise_on_bad_status(host_status, me, call, deferred=False)
     elif problem is not None:  # peers route nothing this call; finish its barriers, then raise
         buf.barrier(call * 4 + BARRIER_PUSHED, wait_site=_wait_site(False, BARRIER_PUSHED))
-        buf.session.defer(status, call)  # like its peers, this rank reports it again at the next call
+        buf.call_state.defer(status, call)  # like its peers, this rank reports it again at the next call
         raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
 
     # Shared experts fill this rank's own partial row (index R), which no peer writes.
@@ -283,7 +283,7 @@ def forward(
     own_mask, partial_mask = executor.routing_masks(buf.regions().topk_idx[:T], all_ok, R, E_l)
     y = executor.reduce_partials(buf, partial_mask, T, shared is not None)
     if not sync:
-        buf.session.defer(status, call)
+        buf.call_state.defer(status, call)
 
     saved = SavedForward(
         num_tokens=T,
@@ -349,7 +349,7 @@ def backward(
     partial_mask, own_mask = saved.partial_mask, saved.own_mask
     if not sync:
         partial_mask, own_mask = partial_mask & all_ok, own_mask & all_ok
-        buf.session.defer(status, call)
+        buf.call_state.defer(status, call)
     grad_x = executor.reduce_partials(buf, partial_mask, T, shared is not None)
     grad_tw = torch.where(own_mask, buf.regions().topk_weight_grads[:T], 0.0)
     return grad_x, grad_tw, grad_w1, grad_w2, grad_shared[0], grad_shared[1]

@@ -9,7 +9,7 @@ of buffers per (group, config, device) (get_symm_buffer).
 
 The buffer holds only regions that peers read or write (layout.py); `buf.regions(rank)` gives
 them as typed views. What the protocol remembers between calls on one buffer (the call epoch,
-verdicts still to be read, the side stream) lives in `buf.session` (session.py).
+verdicts still to be read, the side stream) lives in `buf.call_state` (call_state.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from .call_state import BufferCallState
 from .config import MegaMoEConfig
 from .errors import MegaMoEPeerError
 from .layout import BufferLayout, buffer_layout
-from .session import BufferSession
 from .transport import NUM_WAIT_SITES, StatusExchange, open_transport
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -69,7 +69,7 @@ class SymmBuffer:
             for name, reg in self.layout.regions.items():
                 views[name] = raw[reg.offset : reg.offset + reg.nbytes].view(reg.dtype).view(reg.shape)
             self._regions.append(BufferRegions(**views))
-        self.session = BufferSession()
+        self.call_state = BufferCallState()
 
     @property
     def alive(self) -> bool:
@@ -207,7 +207,7 @@ class SymmBuffer:
             except MegaMoEPeerError:
                 pass  # a peer failed or is gone; our mapping of its file stays valid until we close it
         self._regions = []
-        self.session = BufferSession()
+        self.call_state = BufferCallState()
         self._transport.close()
 
     def __repr__(self):

@@ -11,7 +11,7 @@ from test_mega_moe_dist import BASE, make_problem, rel_err
 from megamoe_train import MegaMoEConfig, get_symm_buffer
 from megamoe_train.autograd import MegaMoEFunction
 from megamoe_train.backends.reference import ReferenceExecutor
-from megamoe_train.session import BufferSession
+from megamoe_train.call_state import BufferCallState
 
 
 class CountingExecutor(ReferenceExecutor):
@@ -75,7 +75,7 @@ def row_traffic(rank, world, routing):
         "topk_weight_grads",
     }
     assert buf.regions().partials.shape == (world + 1, cfg.num_max_tokens_per_rank, cfg.hidden)
-    assert isinstance(buf.session, BufferSession) and buf.session.call_count >= 1
+    assert isinstance(buf.call_state, BufferCallState) and buf.call_state.call_count >= 1
     return sum(expected)
 
 

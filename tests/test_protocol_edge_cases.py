@@ -18,7 +18,7 @@ def calls_past_int32_phase(rank, world):
     """The status word is int32; the phase 2 * call passes 2^31 at call 2^30."""
     cfg, prob, w1, w2 = _rank_inputs(rank, world)
     buf = get_symm_buffer(None, cfg, timeout_s=10)
-    buf.session.call_count = 2**30 - 1  # as after ~1e9 calls of one long-lived buffer
+    buf.call_state.call_count = 2**30 - 1  # as after ~1e9 calls of one long-lived buffer
     x = prob["x"][rank].clone().requires_grad_()
     y = mega_moe(x, prob["idx"][rank], prob["w"][rank], w1, w2, buf)
     y.backward(prob["gy"][rank])
@@ -77,16 +77,16 @@ def test_deferred_verdicts_after_the_first_bad_one_are_not_lost(monkeypatch):
     from types import SimpleNamespace
 
     from megamoe_train import MegaMoECallMismatchError, protocol
+    from megamoe_train.call_state import BufferCallState, PendingVerdict
     from megamoe_train.faults import STATUS_BAD, STATUS_OK
-    from megamoe_train.session import BufferSession, PendingVerdict
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     done = SimpleNamespace(query=lambda: True)
-    session = BufferSession()
+    state = BufferCallState()
     bad_input = torch.tensor([[STATUS_OK, 3, 1, 6], [STATUS_BAD, 3, 1, 6]], dtype=torch.int32)
     mismatch = torch.tensor([[STATUS_OK, 4, 1, 7], [STATUS_OK, 4, 2, 8]], dtype=torch.int32)
-    session.pending += [PendingVerdict(done, bad_input, 3), PendingVerdict(done, mismatch, 4)]
-    buf = SimpleNamespace(session=session, rank=0)
+    state.pending += [PendingVerdict(done, bad_input, 3), PendingVerdict(done, mismatch, 4)]
+    buf = SimpleNamespace(call_state=state, rank=0)
     with pytest.raises(MegaMoEInputError, match="call 3"):
         protocol._raise_deferred(buf)
     with pytest.raises(MegaMoECallMismatchError):
@@ -101,7 +101,7 @@ def publish_fails_on_one_rank(rank, world):
     cfg, prob, w1, w2 = _rank_inputs(rank, world)
     buf = get_symm_buffer(None, cfg, timeout_s=10)
     mega_moe(prob["x"][rank], prob["idx"][rank], prob["w"][rank], w1, w2, buf)  # a good call first
-    n = buf.session.call_count + 1
+    n = buf.call_state.call_count + 1
     original = ReferenceExecutor.store_inputs
 
     def broken(self, *args):

@@ -17,7 +17,7 @@ class PendingVerdict:
 
 
 @dataclass
-class BufferSession:
+class BufferCallState:
     """call_count is the call epoch (forward and backward calls alike) every rank tags its status
     word and barriers with (all ranks must agree); pending holds verdicts of earlier calls not yet
     read on the host (device executors raise them at a later call); side_stream is where the
