@@ -8,28 +8,17 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+import mcore_cases
 import torch
 import torch.distributed as dist
 from mcore_cases import batch, config, model
 from test_mega_moe_dist import rel_err
 
 EP = 2
-_READY = False
 
 
 def init(rank, world):
-    global _READY
-    if _READY:
-        return
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_patch import cpu_compat
-
-    cpu_compat.apply()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=EP)
-    model_parallel_cuda_manual_seed(1234)
-    _READY = True
+    mcore_cases.init(rank, world, ep=EP)
 
 
 def trained(recipe, seed, bucket_size, bf16=False):

@@ -22,8 +22,8 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init(rank, world):
-    """Idempotent per process: CPU shims, Megatron parallel state with EP=world, RNG tracker."""
+def init(rank, world, ep=None):
+    """Idempotent per process: CPU shims, Megatron parallel state with EP=ep (default world), RNG tracker."""
     global _READY
     if _READY:
         return
@@ -33,7 +33,7 @@ def init(rank, world):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep or world)
     model_parallel_cuda_manual_seed(1234)
     _READY = True
 
