@@ -41,6 +41,21 @@ NVCC_FLAGS = [
 ]
 
 
+def _local_headers(path, seen=None):
+    """The csrc/cuda headers `path` includes, directly or through each other (what its object
+    depends on: an edited header rebuilds only the sources that include it)."""
+    seen = set() if seen is None else seen
+    folder = os.path.dirname(path)
+    with open(path) as f:
+        for line in f:
+            if line.startswith('#include "'):
+                header = os.path.join(folder, line.split('"')[1])
+                if header not in seen and os.path.exists(header):
+                    seen.add(header)
+                    _local_headers(header, seen)
+    return sorted(seen)
+
+
 def _cuda_lib_dir(home):
     """The toolkit's folder holding the static CUDA runtime, or None."""
     return next(
@@ -113,7 +128,6 @@ def _cuda_extension():
     )
     ext.cuda_required = mode == "1"
     ext.cuda_sources = CUDA_SOURCES
-    ext.cuda_depends = CUDA_HEADERS
     ext.nvcc = os.path.join(cuda_home, "bin", "nvcc")
     ext.nvcc_includes = ["csrc/cuda", cutlass_include]
     return ext
@@ -132,7 +146,7 @@ class BuildExt(build_ext):
         for source in getattr(ext, "cuda_sources", []):
             obj = os.path.join(self.build_temp, source + ".o")
             os.makedirs(os.path.dirname(obj), exist_ok=True)
-            inputs = [source, *ext.cuda_depends]
+            inputs = [source, *_local_headers(source)]
             if (
                 self.force
                 or not os.path.exists(obj)

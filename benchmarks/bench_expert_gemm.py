@@ -78,8 +78,9 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
     err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
     del ref_h, ref_out
 
-    # variants (csrc/cuda/expert_gemm.h): 0 the staged schedule with CTA pairs, 1 without pairs,
-    # 4 with pairs but the math warpgroups not staggered, 2 the first schedule with pairs
+    # variants (csrc/cuda/expert_gemm.h): 0 the staged schedule with CTA pairs (SwiGLU deferred
+    # into passes), 8 its SwiGLU epilogue in place, 1 without pairs, 4 with pairs but the math
+    # warpgroups not staggered, 2 the first schedule with pairs
     t = {
         name: median_ms(fn, iters=20, warmup=3)
         for name, fn in (
@@ -90,6 +91,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
             ("ours L1 plain", ours_l1_plain),
             ("ours L1 plain single", lambda: ours_l1_plain(1)),
             ("ours L2", l2_ours),
+            ("in-place L1+SwiGLU", lambda: fused_l1(8)),
             ("unstaggered L1+SwiGLU", lambda: fused_l1(4)),
             ("unstaggered L1 plain", lambda: ours_l1_plain(4)),
             ("unstaggered L2", lambda: l2_ours(4)),
@@ -119,6 +121,9 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
         f"{t['ours L1 plain']:.3f} ({tf(f1, t['ours L1 plain'])}); no pairs {t['ours L1 plain single']:.3f} | - | "
         f"{t['ours L2']:.3f} ({tf(f2, t['ours L2'])}) "
         f"| {fused:.3f} | {floor1 + floor2:.3f} | h {err_h:.1e}, y {err_out:.1e} |",
+        f"| {shape} | {G} | {useful} | {P} | fused, SwiGLU epilogue in place | {t['in-place L1+SwiGLU']:.3f} "
+        f"({tf(f1, t['in-place L1+SwiGLU'])}) | - | {t['ours L2']:.3f} | {t['in-place L1+SwiGLU'] + t['ours L2']:.3f} "
+        f"| {floor1 + floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | fused, not staggered | {t['unstaggered L1+SwiGLU']:.3f} "
         f"({tf(f1, t['unstaggered L1+SwiGLU'])}); plain {t['unstaggered L1 plain']:.3f} "
         f"({tf(f1, t['unstaggered L1 plain'])}) | - | "

@@ -100,6 +100,18 @@ def run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=0):
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("inter,k,chunk,clamp", [(256, 512, 128, None), (384, 256, 384, 0.75), (640, 128, 128, 7.0)])
 def test_swiglu_matches_oracle(sizes, inter, k, chunk, clamp):
+    check_swiglu(sizes, inter, k, chunk, clamp)
+
+
+@needs_kernel
+@pytest.mark.parametrize("clamp", [None, 1.5])
+def test_swiglu_several_units_per_cta(clamp):
+    """More units than CTAs, so each math warpgroup runs a unit's deferred SwiGLU passes under the
+    next unit's wgmmas, with K deep enough (16 blocks) that they run one step in two."""
+    check_swiglu([1000, 3, 2500, 77, 0, 1500, 1], 1024, 2048, 256, clamp)
+
+
+def check_swiglu(sizes, inter, k, chunk, clamp):
     aq, a_s, bq, b_s, ends, row_w = swiglu_case(sizes, inter, k, chunk, seed=inter + k)
     h, act, scales = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp)
     live = int(ends[-1])
@@ -118,7 +130,8 @@ def test_swiglu_matches_oracle(sizes, inter, k, chunk, clamp):
         assert rel_err(scales[:live], ref_s) < 1e-5
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
-    for variant in (1, 2, 3, 4, 5):  # the same bits without pairs, unstaggered, on the first schedule
+    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue
+    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13):
         again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=variant)
         assert torch.equal(h[:live], again[0][:live]), f"variant {variant}: other pre-activations"
         assert torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8)), f"variant {variant}"
@@ -187,3 +200,9 @@ def test_rejects_bad_operands():
         cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales[:, :1])
     with pytest.raises(ValueError, match="group_ends"):
         cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends.long(), h)
+    for variant in (6, 8, 16, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
+        with pytest.raises(RuntimeError, match="variant"):
+            cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, h, variant)
+    for variant in (10, 14, 16):
+        with pytest.raises(RuntimeError, match="variant"):
+            cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales, variant)

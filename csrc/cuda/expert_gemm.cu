@@ -31,12 +31,13 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger>
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred = false>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
-  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<kStaged>) + 1024;  // + alignment slack
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger>;
+  // + alignment slack
+  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<expert_sm90::staging_buffers(kStaged, kDeferred)>) + 1024;
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger, kDeferred>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -75,6 +76,18 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
+// expert_gemm.h: bits 2 and 3 (and bit 3 at all for the plain GEMM) only with the staged schedule
+bool valid_variant(int variant, bool swiglu) {
+  if (variant < 0 || variant > (swiglu ? 15 : 7)) return false;
+  return !(variant & 2) || !(variant & 12);
+}
+
+template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred>
+const char* run_paired(bool pair, const Params& p, int device, cudaStream_t stream) {
+  return pair ? run<kSwiGLU, true, kStaged, kStagger, kDeferred>(p, device, stream)
+              : run<kSwiGLU, false, kStaged, kStagger, kDeferred>(p, device, stream);
+}
+
 template <bool kSwiGLU>
 const char* launch(const ExpertGemmArgs& a) {
   if (a.num_groups <= 0 || a.num_groups > expert_sm90::kMaxGroups) return "num_groups must be in [1, 1024]";
@@ -83,7 +96,8 @@ const char* launch(const ExpertGemmArgs& a) {
                    : "N and K must be multiples of 128 (K > 0)";
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
-  if (a.variant < 0 || a.variant > 5) return "variant must be in [0, 5]";
+  if (!valid_variant(a.variant, kSwiGLU))
+    return kSwiGLU ? "variant must be one of 0-5, 8, 9, 12, 13" : "variant must be in [0, 5]";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
     return "out and act must be 16-byte aligned";
@@ -109,13 +123,15 @@ const char* launch(const ExpertGemmArgs& a) {
   const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const bool pair = units_per_tile % 2 == 0 && !(a.variant & 1);
-  if (a.variant & 2)
-    return pair ? run<kSwiGLU, true, false, false>(p, a.device, stream)
-                : run<kSwiGLU, false, false, false>(p, a.device, stream);
-  if (a.variant & 4)
-    return pair ? run<kSwiGLU, true, true, false>(p, a.device, stream)
-                : run<kSwiGLU, false, true, false>(p, a.device, stream);
-  return pair ? run<kSwiGLU, true, true, true>(p, a.device, stream) : run<kSwiGLU, false, true, true>(p, a.device, stream);
+  if (a.variant & 2) return run_paired<kSwiGLU, false, false, false>(pair, p, a.device, stream);
+  const bool stagger = !(a.variant & 4);
+  if constexpr (kSwiGLU) {
+    if (!(a.variant & 8))
+      return stagger ? run_paired<true, true, true, true>(pair, p, a.device, stream)
+                     : run_paired<true, true, false, true>(pair, p, a.device, stream);
+  }
+  return stagger ? run_paired<kSwiGLU, true, true, false>(pair, p, a.device, stream)
+                 : run_paired<kSwiGLU, true, false, false>(pair, p, a.device, stream);
 }
 
 }  // namespace

@@ -36,7 +36,9 @@ struct ExpertGemmArgs {
   // bit 0 set: no 2-CTA clusters (else they share A where a tile has an even block count);
   // bit 1 set: the first schedule (epilogue after each block, stored from the fragments), else
   // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory);
-  // bit 2 set (staged only): the math warpgroups not staggered by a K block
+  // bit 2 set (staged only): the math warpgroups not staggered by a K block;
+  // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
+  // 2026-12-03 schedule), else deferred into passes under the next unit's wgmmas
   int variant;
   void* stream;
   int device;

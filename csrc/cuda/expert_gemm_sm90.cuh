@@ -69,22 +69,27 @@ using TiledMma = decltype(make_tiled_mma(
     Layout<Shape<_2, _1, _1>>{}));
 constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK;
 
-// 32 KB per stage (A and B tiles): 6 stages, or 5 beside the 34 KB staging buffers.
-template <bool kStaged>
+// 32 KB per stage (A and B tiles), beside the math warpgroups' staging buffers (kBuffers of 17 KB:
+// none for the first schedule, one each for the staged schedule, two each, a unit's gate and up
+// blocks, for its deferred SwiGLU epilogue): 6, 5 or 4 stages, what fits in 227 KB.
+template <int kBuffers>
 struct alignas(1024) SharedStorage {
-  static constexpr int kStages = kStaged ? 5 : 6;
+  static constexpr int kStages = kBuffers == 0 ? 6 : kBuffers == 2 ? 5 : 4;
   using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                          Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{}));
   using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                          Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{}));
   cute::array_aligned<Element, cosize_v<LayoutA>, 1024> a;
   cute::array_aligned<Element, cosize_v<LayoutB>, 1024> b;
-  cute::array_aligned<uint8_t, kStaged ? 2 * 64 * kStagingPitch : 16, 16> staging;
+  cute::array_aligned<uint8_t, kBuffers ? kBuffers * 64 * kStagingPitch : 16, 16> staging;
   uint64_t full[kStages];
   uint64_t empty[kStages];
   int tile_ends[kMaxGroups];   // cumulative m tiles of groups 0..g
   int group_ends[kMaxGroups];  // the plan's cumulative row ends
 };
+
+// The staging buffers a schedule needs (SharedStorage).
+constexpr int staging_buffers(bool staged, bool deferred) { return !staged ? 0 : deferred ? 4 : 2; }
 
 struct Params {
   CUtensorMap tma_a;           // e4m3 [P, K], box 64 rows x 128, 128-byte swizzle
@@ -196,17 +201,18 @@ __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, s
 }
 
 template <bool kSwiGLU, bool kPair>
-__device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, int unit_stride, int total_units,
+__device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
-template <bool kSwiGLU, bool kPair, bool kStagger>
-__device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_unit, int unit_stride,
-                            int total_units, int units_per_tile);
+template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s, int first_unit,
+                            int unit_stride, int total_units, int units_per_tile);
 
 // kPair: the CTA is one of a 2-CTA cluster sharing each A tile by multicast (units_per_tile even).
-// kStaged: the staged schedule, kStagger: its math warpgroups a K block apart (math_staged).
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger>
+// kStaged: the staged schedule, kStagger: its math warpgroups a K block apart, kDeferred: its
+// SwiGLU epilogue deferred into passes under the next unit's wgmmas (math_staged).
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
-  using Storage = SharedStorage<kStaged>;
+  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred)>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ char smem_raw[];
   // aligned by an offset from smem_raw (not through an integer), so accesses stay shared-memory ones
@@ -291,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       }
     }
   } else if constexpr (kStaged) {
-    math_staged<kSwiGLU, kPair, kStagger>(p, s, first_unit, unit_stride, total_units, units_per_tile);
+    math_staged<kSwiGLU, kPair, kStagger, kDeferred>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   } else {
     math<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   }
@@ -334,9 +340,9 @@ __device__ __forceinline__ void issue_k_block(Mma& mma, FragA& tCrA, FragB& tCrB
 // The first schedule (no kStaged): each block's K loop, then its epilogue stored straight from
 // the fragments, with no wgmma in flight.
 template <bool kSwiGLU, bool kPair>
-__device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, int unit_stride, int total_units,
+__device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile) {
-  using Storage = SharedStorage<false>;
+  using Storage = SharedStorage<0>;
   constexpr int kStages = Storage::kStages;
   cutlass::arch::warpgroup_reg_alloc<232>();
   const int lane = threadIdx.x % 32, G = p.num_groups, KB = p.k / kBlockK;
@@ -442,10 +448,11 @@ __device__ void math(const Params& p, SharedStorage<false>& s, int first_unit, i
 // tensor cores, and issued at once their wgmmas interleave, end together, and leave the tensor
 // cores idle while both promote; a K block apart, each one's wgmmas queue behind the other's and
 // run while the other promotes, which keeps them apart.
-template <bool kSwiGLU, bool kPair, bool kStagger>
-__device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_unit, int unit_stride,
-                            int total_units, int units_per_tile) {
-  using Storage = SharedStorage<true>;
+template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s, int first_unit,
+                            int unit_stride, int total_units, int units_per_tile) {
+  using Storage = SharedStorage<staging_buffers(true, kDeferred)>;
+  static_assert(kSwiGLU || !kDeferred, "only the SwiGLU epilogue is deferred");
   constexpr int kStages = Storage::kStages;
   constexpr int kHalves = kSwiGLU ? 2 : 1;
   cutlass::arch::warpgroup_reg_alloc<232>();
@@ -467,7 +474,7 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
   // 8 (v >> 2) + 2 (lane % 4) + (v & 1)
   const int frag_row = (wt / 32) * 16 + lane / 4;
   const int tile_row = wg * 64 + frag_row;
-  uint8_t* staging = s.staging.data() + wg * 64 * kStagingPitch;
+  uint8_t* staging = s.staging.data() + (kDeferred ? 2 : 1) * wg * 64 * kStagingPitch;
   const int frag_offset = frag_row * kStagingPitch + 4 * (lane % 4);
   const int NB = p.n / kBlockN, I = p.n / 2;
 
@@ -547,6 +554,98 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
     for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
   };
 
+  // kDeferred: this warpgroup's two staging buffers hold a unit's gate and up blocks (bf16), and
+  // the unit's epilogue runs from them in kPasses passes of 8 rows, 16 threads a row, 8 columns
+  // each: the pre-activations copied out, SwiGLU, the row's amax by 4 shuffles, the e4m3 block.
+  // A pass needs ~30 registers beside the two accumulators, so it runs under the next unit's
+  // gate-block wgmmas (one step in two where KB >= 16); what is left when that block ends runs
+  // then, before its staging overwrites the gate buffer.
+  constexpr int kPasses = 8;
+  uint8_t* const staged_gate = staging;
+  uint8_t* const staged_up = staging + 64 * kStagingPitch;
+  const int pass_row = wt / 16, pass_col = 8 * (wt % 16);
+  int pass = kPasses;                     // the pending unit's next pass (kPasses: none pending)
+  int pend_row0 = 0, pend_end = 0;        // its first row in this warpgroup and its group's end
+  int pend_col = 0, pend_block = 0;       // its gate block's output column and its activation block
+  float pend_w = 0.0f;                    // the next pass's row weight, loaded a pass ahead
+  const bool pass_every_step = KB < 2 * kPasses;
+
+  // acc (a finished block) -> bf16 into a staging buffer in the fragments' layout; acc is zeroed
+  auto stage_block = [&](uint8_t* buffer) {
+#pragma unroll
+    for (int i = 0; i < kFrag / 4; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        *reinterpret_cast<uint32_t*>(buffer + frag_offset + 8 * r * kStagingPitch + 16 * i) =
+            pack_bf16(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
+        acc[4 * i + 2 * r] = 0.0f;
+        acc[4 * i + 2 * r + 1] = 0.0f;
+      }
+    }
+  };
+  auto load_pass_weight = [&]() {
+    const int row = pend_row0 + 8 * pass + pass_row;
+    pend_w = row < pend_end ? __ldg(p.row_weights + row) : 0.0f;
+  };
+  auto swiglu_pass = [&]() {
+    const int lr = 8 * pass + pass_row, row = pend_row0 + lr;
+    const bool live = row < pend_end;
+    const float w = pend_w;
+    if (++pass < kPasses) load_pass_weight();
+    const uint4 g = *reinterpret_cast<const uint4*>(staged_gate + lr * kStagingPitch + 2 * pass_col);
+    const uint4 u = *reinterpret_cast<const uint4*>(staged_up + lr * kStagingPitch + 2 * pass_col);
+    __nv_bfloat16* out_row = p.out + size_t(row) * p.n + pend_col + pass_col;
+    if (live) {
+      *reinterpret_cast<uint4*>(out_row) = g;
+      *reinterpret_cast<uint4*>(out_row + p.chunk) = u;
+    }
+    float2 a[4] = {swiglu_pair(p, g.x, u.x, w), swiglu_pair(p, g.y, u.y, w), swiglu_pair(p, g.z, u.z, w),
+                   swiglu_pair(p, g.w, u.w, w)};
+    uint32_t amax_bits = 0;  // as row_scale: a NaN's bits exceed every finite value's
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      amax_bits = max(amax_bits, __float_as_uint(a[j].x) & 0x7fffffffu);
+      amax_bits = max(amax_bits, __float_as_uint(a[j].y) & 0x7fffffffu);
+    }
+#pragma unroll
+    for (int off = 1; off < 16; off <<= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, off));
+    const float amax = __uint_as_float(amax_bits);
+    const float scale = __fdiv_rn(amax != amax ? amax : fmaxf(amax, 1e-4f), 448.0f);
+    const float recip = __frcp_rn(scale);
+    if (live) {
+      uint32_t q[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+            make_float2(e4m3_quotient(a[2 * j].x, scale, recip), e4m3_quotient(a[2 * j].y, scale, recip)),
+            __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+            make_float2(e4m3_quotient(a[2 * j + 1].x, scale, recip), e4m3_quotient(a[2 * j + 1].y, scale, recip)),
+            __NV_SATFINITE, __NV_E4M3);
+        q[j] = uint32_t(lo) | (uint32_t(hi) << 16);
+      }
+      *reinterpret_cast<uint2*>(p.act + size_t(row) * I + pend_block * kBlockN + pass_col) = make_uint2(q[0], q[1]);
+      if (wt % 16 == 0) p.act_scales[size_t(row) * (I / kBlockN) + pend_block] = scale;
+    }
+  };
+  // a finished up block: staged beside its gate block, and its unit's passes pending
+  auto stage_up_block = [&](const Tile& t, int up_col) {
+    stage_block(staged_up);
+    warpgroup_sync(wg);  // both blocks staged for every thread's passes
+    pend_row0 = t.m0 + wg * 64;
+    pend_end = t.m_end;
+    pend_col = up_col - p.chunk;
+    pend_block = t.block;
+    pass = 0;
+    load_pass_weight();
+  };
+  // a finished gate block: the previous unit's passes done first (they read the gate buffer)
+  auto stage_gate_block = [&]() {
+    while (pass < kPasses) swiglu_pass();
+    warpgroup_sync(wg);
+    stage_block(staged_gate);
+  };
+
   if (kStagger && wg == 1 && steps > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
 
 #pragma unroll 1
@@ -566,13 +665,21 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
       a_scale1 = p.a_scales + size_t(min(tile.m0 + tile_row + 8, p.pool_rows - 1)) * KB;
     }
     const bool block_done = kb == 0 && step > 0;
-    // an up block's epilogue (SwiGLU, the requantization) needs more registers than fit beside
-    // a wgmma in flight, so it runs first; plain and gate blocks run under the wgmmas
-    if (kSwiGLU && block_done && half == 0) epilogue(done, done_col, true);
+    // (not deferred) an up block's epilogue (SwiGLU, the requantization) needs more registers
+    // than fit beside a wgmma in flight, so it runs first; plain and gate blocks run under the wgmmas
+    if (!kDeferred && kSwiGLU && block_done && half == 0) epilogue(done, done_col, true);
     const float sb = __ldg(b_scale + kb);
     const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
     issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage);
-    if (block_done && !(kSwiGLU && half == 0)) epilogue(done, done_col, false);
+    if constexpr (kDeferred) {
+      if (block_done) {
+        if (half == 0) stage_up_block(done, done_col);
+        else stage_gate_block();
+      }
+      if (pass < kPasses && (pass_every_step || (kb & 1))) swiglu_pass();
+    } else if (block_done && !(kSwiGLU && half == 0)) {
+      epilogue(done, done_col, false);
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(scratch);
     if (kStagger && wg == 0 && step == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
@@ -584,7 +691,14 @@ __device__ void math_staged(const Params& p, SharedStorage<true>& s, int first_u
 #pragma unroll
     for (int v = 0; v < kFrag; ++v) acc[v] = fmaf(scratch(v), (v & 2) ? s1 : s0, acc[v]);
   }
-  if (steps > 0) epilogue(tile, out_col, kSwiGLU);
+  if (steps > 0) {
+    if constexpr (kDeferred) {
+      stage_up_block(tile, out_col);
+      while (pass < kPasses) swiglu_pass();
+    } else {
+      epilogue(tile, out_col, kSwiGLU);
+    }
+  }
 }
 
 }  // namespace expert_sm90
