@@ -130,8 +130,9 @@ def check_swiglu(sizes, inter, k, chunk, clamp):
         assert rel_err(scales[:live], ref_s) < 1e-5
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
-    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue
-    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13):
+    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue,
+    # with passes of 4 rows
+    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21):
         again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=variant)
         assert torch.equal(h[:live], again[0][:live]), f"variant {variant}: other pre-activations"
         assert torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8)), f"variant {variant}"
@@ -203,6 +204,6 @@ def test_rejects_bad_operands():
     for variant in (6, 8, 16, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, h, variant)
-    for variant in (10, 14, 16):
+    for variant in (10, 14, 18, 24, 32):
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales, variant)

@@ -31,13 +31,13 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred = false>
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred = false, int kPassRows = 8>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
   // + alignment slack
   constexpr size_t smem = sizeof(expert_sm90::SharedStorage<expert_sm90::staging_buffers(kStaged, kDeferred)>) + 1024;
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger, kDeferred>;
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger, kDeferred, kPassRows>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -76,16 +76,18 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-// expert_gemm.h: bits 2 and 3 (and bit 3 at all for the plain GEMM) only with the staged schedule
+// expert_gemm.h: bits 2-4 only with the staged schedule, bits 3-4 only for SwiGLU, bit 4 only
+// with the deferred epilogue
 bool valid_variant(int variant, bool swiglu) {
-  if (variant < 0 || variant > (swiglu ? 15 : 7)) return false;
-  return !(variant & 2) || !(variant & 12);
+  if (variant < 0 || variant > (swiglu ? 31 : 7)) return false;
+  if ((variant & 2) && (variant & 28)) return false;
+  return !((variant & 8) && (variant & 16));
 }
 
-template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred>
+template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred, int kPassRows = 8>
 const char* run_paired(bool pair, const Params& p, int device, cudaStream_t stream) {
-  return pair ? run<kSwiGLU, true, kStaged, kStagger, kDeferred>(p, device, stream)
-              : run<kSwiGLU, false, kStaged, kStagger, kDeferred>(p, device, stream);
+  return pair ? run<kSwiGLU, true, kStaged, kStagger, kDeferred, kPassRows>(p, device, stream)
+              : run<kSwiGLU, false, kStaged, kStagger, kDeferred, kPassRows>(p, device, stream);
 }
 
 template <bool kSwiGLU>
@@ -97,7 +99,7 @@ const char* launch(const ExpertGemmArgs& a) {
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
   if (!valid_variant(a.variant, kSwiGLU))
-    return kSwiGLU ? "variant must be one of 0-5, 8, 9, 12, 13" : "variant must be in [0, 5]";
+    return kSwiGLU ? "variant must be one of 0-5, 8, 9, 12, 13, 16, 17, 20, 21" : "variant must be in [0, 5]";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
     return "out and act must be 16-byte aligned";
@@ -126,6 +128,9 @@ const char* launch(const ExpertGemmArgs& a) {
   if (a.variant & 2) return run_paired<kSwiGLU, false, false, false>(pair, p, a.device, stream);
   const bool stagger = !(a.variant & 4);
   if constexpr (kSwiGLU) {
+    if (a.variant & 16)
+      return stagger ? run_paired<true, true, true, true, 4>(pair, p, a.device, stream)
+                     : run_paired<true, true, false, true, 4>(pair, p, a.device, stream);
     if (!(a.variant & 8))
       return stagger ? run_paired<true, true, true, true>(pair, p, a.device, stream)
                      : run_paired<true, true, false, true>(pair, p, a.device, stream);

@@ -450,8 +450,9 @@ def fp8_expert_gemm_swiglu(
     [P, I] with act_scales fp32 [P, I/128] (one per 1x128 block), for every row of every group.
     variant as fp8_expert_gemm's, where on the staged schedule (0, 1, 4, 5) the SwiGLU epilogue
     runs from the unit's staged gate and up blocks in passes under the next unit's wgmmas; + 8
-    (8, 9, 12, 13) runs it in place at the up block's end instead, kept for comparisons; all give
-    the same bits. Returns (pre_act, act, act_scales)."""
+    (8, 9, 12, 13) runs it in place at the up block's end instead, kept for comparisons, and + 16
+    (16, 17, 20, 21) in passes of 4 rows instead of 8; all give the same bits. Returns (pre_act,
+    act, act_scales)."""
     fn = "fp8_expert_gemm_swiglu"
     N2 = b.shape[1] if b.dim() == 3 else 0
     P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, pre_act, N2)
