@@ -131,7 +131,7 @@ def check_swiglu(sizes, inter, k, chunk, clamp):
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
     # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue,
-    # with passes of 4 rows
+    # with the gate block read back
     for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21):
         again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=variant)
         assert torch.equal(h[:live], again[0][:live]), f"variant {variant}: other pre-activations"

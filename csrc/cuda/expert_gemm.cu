@@ -31,13 +31,14 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred = false, int kPassRows = 8>
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred = false, bool kGateGlobal = false>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
   // + alignment slack
-  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<expert_sm90::staging_buffers(kStaged, kDeferred)>) + 1024;
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger, kDeferred, kPassRows>;
+  constexpr int buffers = expert_sm90::staging_buffers(kStaged, kDeferred && !kGateGlobal);
+  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<buffers>) + 1024;
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger, kDeferred, kGateGlobal>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -84,10 +85,10 @@ bool valid_variant(int variant, bool swiglu) {
   return !((variant & 8) && (variant & 16));
 }
 
-template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred, int kPassRows = 8>
+template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred, bool kGateGlobal = false>
 const char* run_paired(bool pair, const Params& p, int device, cudaStream_t stream) {
-  return pair ? run<kSwiGLU, true, kStaged, kStagger, kDeferred, kPassRows>(p, device, stream)
-              : run<kSwiGLU, false, kStaged, kStagger, kDeferred, kPassRows>(p, device, stream);
+  return pair ? run<kSwiGLU, true, kStaged, kStagger, kDeferred, kGateGlobal>(p, device, stream)
+              : run<kSwiGLU, false, kStaged, kStagger, kDeferred, kGateGlobal>(p, device, stream);
 }
 
 template <bool kSwiGLU>
@@ -129,8 +130,8 @@ const char* launch(const ExpertGemmArgs& a) {
   const bool stagger = !(a.variant & 4);
   if constexpr (kSwiGLU) {
     if (a.variant & 16)
-      return stagger ? run_paired<true, true, true, true, 4>(pair, p, a.device, stream)
-                     : run_paired<true, true, false, true, 4>(pair, p, a.device, stream);
+      return stagger ? run_paired<true, true, true, true, true>(pair, p, a.device, stream)
+                     : run_paired<true, true, false, true, true>(pair, p, a.device, stream);
     if (!(a.variant & 8))
       return stagger ? run_paired<true, true, true, true>(pair, p, a.device, stream)
                      : run_paired<true, true, false, true>(pair, p, a.device, stream);

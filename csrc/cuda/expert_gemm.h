@@ -39,7 +39,7 @@ struct ExpertGemmArgs {
   // bit 2 set (staged only): the math warpgroups not staggered by a K block;
   // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
   // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas;
-  // bit 4 set (deferred only): passes of 4 rows
+  // bit 4 set (deferred only): the gate block read back from global memory (5 stages, not 4)
   int variant;
   void* stream;
   int device;

@@ -40,7 +40,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
@@ -204,16 +203,17 @@ __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, s
 template <bool kSwiGLU, bool kPair>
 __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
-template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred, int kPassRows>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s, int first_unit,
-                            int unit_stride, int total_units, int units_per_tile);
+template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred, bool kGateGlobal>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred && !kGateGlobal)>& s,
+                            int first_unit, int unit_stride, int total_units, int units_per_tile);
 
 // kPair: the CTA is one of a 2-CTA cluster sharing each A tile by multicast (units_per_tile even).
 // kStaged: the staged schedule, kStagger: its math warpgroups a K block apart, kDeferred: its
-// SwiGLU epilogue deferred into passes of kPassRows rows under the next unit's wgmmas (math_staged).
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred, int kPassRows = 8>
+// SwiGLU epilogue deferred into passes under the next unit's wgmmas, kGateGlobal: with the gate
+// block read back from global memory (math_staged).
+template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred, bool kGateGlobal = false>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
-  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred)>;
+  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred && !kGateGlobal)>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ char smem_raw[];
   // aligned by an offset from smem_raw (not through an integer), so accesses stay shared-memory ones
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       }
     }
   } else if constexpr (kStaged) {
-    math_staged<kSwiGLU, kPair, kStagger, kDeferred, kPassRows>(p, s, first_unit, unit_stride, total_units,
+    math_staged<kSwiGLU, kPair, kStagger, kDeferred, kGateGlobal>(p, s, first_unit, unit_stride, total_units,
                                                                 units_per_tile);
   } else {
     math<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
@@ -450,10 +450,10 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
 // tensor cores, and issued at once their wgmmas interleave, end together, and leave the tensor
 // cores idle while both promote; a K block apart, each one's wgmmas queue behind the other's and
 // run while the other promotes, which keeps them apart.
-template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred, int kPassRows>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s, int first_unit,
-                            int unit_stride, int total_units, int units_per_tile) {
-  using Storage = SharedStorage<staging_buffers(true, kDeferred)>;
+template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred, bool kGateGlobal>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred && !kGateGlobal)>& s,
+                            int first_unit, int unit_stride, int total_units, int units_per_tile) {
+  using Storage = SharedStorage<staging_buffers(true, kDeferred && !kGateGlobal)>;
   static_assert(kSwiGLU || !kDeferred, "only the SwiGLU epilogue is deferred");
   constexpr int kStages = Storage::kStages;
   constexpr int kHalves = kSwiGLU ? 2 : 1;
@@ -476,7 +476,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   // 8 (v >> 2) + 2 (lane % 4) + (v & 1)
   const int frag_row = (wt / 32) * 16 + lane / 4;
   const int tile_row = wg * 64 + frag_row;
-  uint8_t* staging = s.staging.data() + (kDeferred ? 2 : 1) * wg * 64 * kStagingPitch;
+  uint8_t* staging = s.staging.data() + (kDeferred && !kGateGlobal ? 2 : 1) * wg * 64 * kStagingPitch;
   const int frag_offset = frag_row * kStagingPitch + 4 * (lane % 4);
   const int NB = p.n / kBlockN, I = p.n / 2;
 
@@ -556,23 +556,22 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
   };
 
-  // kDeferred: this warpgroup's two staging buffers hold a unit's gate and up blocks (bf16), and
-  // the unit's epilogue runs from them in passes of kPassRows rows, 128 / kPassRows threads a row
-  // and kPassRows columns each: the pre-activations copied out, SwiGLU, the row's amax by
-  // shuffles, the e4m3 block. A pass needs ~30 registers beside the two accumulators, so it runs
-  // under the next unit's gate-block wgmmas, spread over its K steps (one step in two where it
-  // has twice as many steps as passes); what is left when that block ends runs then, before its
-  // staging overwrites the gate buffer.
-  constexpr int kPasses = 64 / kPassRows, kRowThreads = 128 / kPassRows, kCols = kPassRows;
-  using Chunk = std::conditional_t<kCols == 8, uint4, uint2>;  // kCols bf16 values
-  static_assert(sizeof(Chunk) == 2 * kCols, "a thread's columns of a row as one vector");
-  uint8_t* const staged_gate = staging;
-  uint8_t* const staged_up = staging + 64 * kStagingPitch;
-  const int pass_row = wt / kRowThreads, pass_col = kCols * (wt % kRowThreads);
+  // kDeferred: a unit's epilogue runs after its up block, from the staged bf16 block, in kPasses
+  // passes of 8 rows, 16 threads a row and 8 columns each: the pre-activations copied out,
+  // SwiGLU, the row's amax by 4 shuffles, the e4m3 block. A pass needs ~30 registers beside the
+  // two accumulators, so it runs under the next unit's gate-block wgmmas, one step in two where
+  // that block has at least 16 steps; what is left when it ends runs then, before that block is
+  // staged. The gate block either waits in a second staging buffer (4 stages fit beside them), or
+  // (kGateGlobal) is copied out at its end like a plain block and read back by the passes from
+  // L2, a pass ahead, so one buffer serves both blocks and 5 stages fit.
+  constexpr int kPasses = 8;
+  uint8_t* const staged_up = kGateGlobal ? staging : staging + 64 * kStagingPitch;
+  const int pass_row = wt / 16, pass_col = 8 * (wt % 16);
   int pass = kPasses;                     // the pending unit's next pass (kPasses: none pending)
   int pend_row0 = 0, pend_end = 0;        // its first row in this warpgroup and its group's end
   int pend_col = 0, pend_block = 0;       // its gate block's output column and its activation block
   float pend_w = 0.0f;                    // the next pass's row weight, loaded a pass ahead
+  uint4 pend_gate = make_uint4(0, 0, 0, 0);  // kGateGlobal: the next pass's gate values, likewise
   const bool pass_every_step = KB < 2 * kPasses;
 
   // acc (a finished block) -> bf16 into a staging buffer in the fragments' layout; acc is zeroed
@@ -588,42 +587,49 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
       }
     }
   };
-  auto load_pass_weight = [&]() {
-    const int row = pend_row0 + kPassRows * pass + pass_row;
-    pend_w = row < pend_end ? __ldg(p.row_weights + row) : 0.0f;
+  auto load_pass_inputs = [&]() {
+    const int row = pend_row0 + 8 * pass + pass_row;
+    const bool live = row < pend_end;
+    pend_w = live ? __ldg(p.row_weights + row) : 0.0f;
+    if constexpr (kGateGlobal) {  // written by this kernel: through L2, not the read-only path
+      pend_gate = live ? __ldcg(reinterpret_cast<const uint4*>(p.out + size_t(row) * p.n + pend_col + pass_col))
+                       : make_uint4(0, 0, 0, 0);
+    }
   };
   auto swiglu_pass = [&]() {
-    const int lr = kPassRows * pass + pass_row, row = pend_row0 + lr;
+    const int lr = 8 * pass + pass_row, row = pend_row0 + lr;
     const bool live = row < pend_end;
     const float w = pend_w;
-    if (++pass < kPasses) load_pass_weight();
-    const Chunk g = *reinterpret_cast<const Chunk*>(staged_gate + lr * kStagingPitch + 2 * pass_col);
-    const Chunk u = *reinterpret_cast<const Chunk*>(staged_up + lr * kStagingPitch + 2 * pass_col);
+    uint4 g;
+    if constexpr (kGateGlobal) {
+      g = pend_gate;
+    } else {
+      g = *reinterpret_cast<const uint4*>(staging + lr * kStagingPitch + 2 * pass_col);
+    }
+    if (++pass < kPasses) load_pass_inputs();
+    const uint4 u = *reinterpret_cast<const uint4*>(staged_up + lr * kStagingPitch + 2 * pass_col);
     __nv_bfloat16* out_row = p.out + size_t(row) * p.n + pend_col + pass_col;
     if (live) {
-      *reinterpret_cast<Chunk*>(out_row) = g;
-      *reinterpret_cast<Chunk*>(out_row + p.chunk) = u;
+      if constexpr (!kGateGlobal) *reinterpret_cast<uint4*>(out_row) = g;
+      *reinterpret_cast<uint4*>(out_row + p.chunk) = u;
     }
-    const uint32_t* gw = reinterpret_cast<const uint32_t*>(&g);
-    const uint32_t* uw = reinterpret_cast<const uint32_t*>(&u);
-    float2 a[kCols / 2];
+    float2 a[4] = {swiglu_pair(p, g.x, u.x, w), swiglu_pair(p, g.y, u.y, w), swiglu_pair(p, g.z, u.z, w),
+                   swiglu_pair(p, g.w, u.w, w)};
     uint32_t amax_bits = 0;  // as row_scale: a NaN's bits exceed every finite value's
 #pragma unroll
-    for (int j = 0; j < kCols / 2; ++j) {
-      a[j] = swiglu_pair(p, gw[j], uw[j], w);
+    for (int j = 0; j < 4; ++j) {
       amax_bits = max(amax_bits, __float_as_uint(a[j].x) & 0x7fffffffu);
       amax_bits = max(amax_bits, __float_as_uint(a[j].y) & 0x7fffffffu);
     }
 #pragma unroll
-    for (int off = 1; off < kRowThreads; off <<= 1)
-      amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, off));
+    for (int off = 1; off < 16; off <<= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, off));
     const float amax = __uint_as_float(amax_bits);
     const float scale = __fdiv_rn(amax != amax ? amax : fmaxf(amax, 1e-4f), 448.0f);
     const float recip = __frcp_rn(scale);
     if (live) {
-      uint32_t q[kCols / 4];
+      uint32_t q[2];
 #pragma unroll
-      for (int j = 0; j < kCols / 4; ++j) {
+      for (int j = 0; j < 2; ++j) {
         const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
             make_float2(e4m3_quotient(a[2 * j].x, scale, recip), e4m3_quotient(a[2 * j].y, scale, recip)),
             __NV_SATFINITE, __NV_E4M3);
@@ -632,31 +638,32 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
             __NV_SATFINITE, __NV_E4M3);
         q[j] = uint32_t(lo) | (uint32_t(hi) << 16);
       }
-      uint8_t* act_row = p.act + size_t(row) * I + pend_block * kBlockN + pass_col;
-      if constexpr (kCols == 8) {
-        *reinterpret_cast<uint2*>(act_row) = make_uint2(q[0], q[1]);
-      } else {
-        *reinterpret_cast<uint32_t*>(act_row) = q[0];
-      }
-      if (wt % kRowThreads == 0) p.act_scales[size_t(row) * (I / kBlockN) + pend_block] = scale;
+      *reinterpret_cast<uint2*>(p.act + size_t(row) * I + pend_block * kBlockN + pass_col) = make_uint2(q[0], q[1]);
+      if (wt % 16 == 0) p.act_scales[size_t(row) * (I / kBlockN) + pend_block] = scale;
     }
   };
-  // a finished up block: staged beside its gate block, and its unit's passes pending
+  // a finished up block: staged (beside its gate block), and its unit's passes pending
   auto stage_up_block = [&](const Tile& t, int up_col) {
+    if constexpr (kGateGlobal) warpgroup_sync(wg);  // the gate block's copy-out has left the buffer
     stage_block(staged_up);
-    warpgroup_sync(wg);  // both blocks staged for every thread's passes
+    warpgroup_sync(wg);  // staged (and the gate rows stored) for every thread's passes
     pend_row0 = t.m0 + wg * 64;
     pend_end = t.m_end;
     pend_col = up_col - p.chunk;
     pend_block = t.block;
     pass = 0;
-    load_pass_weight();
+    load_pass_inputs();
   };
-  // a finished gate block: the previous unit's passes done first (they read the gate buffer)
-  auto stage_gate_block = [&]() {
+  // a finished gate block: the previous unit's passes done first (they read the buffers)
+  auto stage_gate_block = [&](const Tile& t, int col) {
     while (pass < kPasses) swiglu_pass();
     warpgroup_sync(wg);
-    stage_block(staged_gate);
+    stage_block(staging);
+    if constexpr (kGateGlobal) {
+      warpgroup_sync(wg);
+      copy_out<2 * kBlockN / 16>(staging, reinterpret_cast<uint8_t*>(p.out + col), size_t(p.n) * 2, t.m0 + wg * 64,
+                                 t.m_end, wt);
+    }
   };
 
   if (kStagger && wg == 1 && steps > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
@@ -687,7 +694,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     if constexpr (kDeferred) {
       if (block_done) {
         if (half == 0) stage_up_block(done, done_col);
-        else stage_gate_block();
+        else stage_gate_block(done, done_col);
       }
       if (pass < kPasses && (pass_every_step || (kb & 1))) swiglu_pass();
     } else if (block_done && !(kSwiGLU && half == 0)) {

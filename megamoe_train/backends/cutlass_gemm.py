@@ -451,7 +451,8 @@ def fp8_expert_gemm_swiglu(
     variant as fp8_expert_gemm's, where on the staged schedule (0, 1, 4, 5) the SwiGLU epilogue
     runs from the unit's staged gate and up blocks in passes under the next unit's wgmmas; + 8
     (8, 9, 12, 13) runs it in place at the up block's end instead, kept for comparisons, and + 16
-    (16, 17, 20, 21) in passes of 4 rows instead of 8; all give the same bits. Returns (pre_act,
+    (16, 17, 20, 21) reads the gate block back from global memory (one staging buffer, 5 stages
+    instead of 4); all give the same bits. Returns (pre_act,
     act, act_scales)."""
     fn = "fp8_expert_gemm_swiglu"
     N2 = b.shape[1] if b.dim() == 3 else 0
