@@ -126,7 +126,8 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
         f"({tf(f1, t['in-place L1+SwiGLU'])}) | - | {t['ours L2']:.3f} | {t['in-place L1+SwiGLU'] + t['ours L2']:.3f} "
         f"| {floor1 + floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | fused, gate read back (5 stages) | {t['gate-global L1+SwiGLU']:.3f} "
-        f"({tf(f1, t['gate-global L1+SwiGLU'])}) | - | {t['ours L2']:.3f} | {t['gate-global L1+SwiGLU'] + t['ours L2']:.3f} "
+        f"({tf(f1, t['gate-global L1+SwiGLU'])}) | - | {t['ours L2']:.3f} "
+        f"| {t['gate-global L1+SwiGLU'] + t['ours L2']:.3f} "
         f"| {floor1 + floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | fused, not staggered | {t['unstaggered L1+SwiGLU']:.3f} "
         f"({tf(f1, t['unstaggered L1+SwiGLU'])}); plain {t['unstaggered L1 plain']:.3f} "
