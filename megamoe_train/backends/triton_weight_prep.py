@@ -438,17 +438,22 @@ def _quantize_e2m1_kernel(
     chunk,
     GATE_UP: tl.constexpr,
     TRANSPOSED: tl.constexpr,
+    BF16_BITS: tl.constexpr,
     TILE_N: tl.constexpr,
     TILE_K: tl.constexpr,
 ):
     """One program per TILE_N x TILE_K tile of the master weight: read it once, write its 1 x 32
     blocks along K packed in kernel layout (fc1 rows gate/up interleaved) with their scales and,
-    with TRANSPOSED, its 32 x 1 blocks along N packed into the transposed copy with theirs."""
+    with TRANSPOSED, its 32 x 1 blocks along N packed into the transposed copy with theirs.
+    BF16_BITS: src holds bf16 masters as int16 bits, widened to float32 by a shift (exact, also
+    for subnormals, which the interpreter's bf16 cast gets wrong in triton 3.8)."""
     e, nt, kt, n_tiles, k_tiles = _block_ids(N, K, TILE_N, TILE_K)
     r = tl.arange(0, TILE_N)
     c = tl.arange(0, TILE_K)
     tile = src + e * stride_e + (nt * TILE_N).to(tl.int64) * stride_n + (kt * TILE_K).to(tl.int64) * stride_k
-    x = tl.load(tile + r[:, None] * stride_n + c[None, :] * stride_k).to(tl.float32)
+    x = tl.load(tile + r[:, None] * stride_n + c[None, :] * stride_k)
+    if BF16_BITS:
+        x = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     # amax as the integer max of |x|'s bits, as the fp8 kernel does (a NaN wins over inf).
     magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
@@ -521,7 +526,7 @@ def quantize_e2m1_blocks(
     else:
         data_t, scales_t = data, scales  # never written (TRANSPOSED off)
     _quantize_e2m1_kernel[(E * (N // tile_n) * (K // tile_k),)](
-        w,
+        w.view(torch.int16) if w.dtype == torch.bfloat16 else w,
         *w.stride(),
         data,
         scales,
@@ -533,6 +538,7 @@ def quantize_e2m1_blocks(
         chunk_rows,
         GATE_UP=chunk is not None,
         TRANSPOSED=transposed,
+        BF16_BITS=w.dtype == torch.bfloat16,
         TILE_N=tile_n,
         TILE_K=tile_k,
         num_warps=num_warps,
