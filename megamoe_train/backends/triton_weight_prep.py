@@ -42,7 +42,6 @@ from .triton_kernels import divide_rn
 _E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
 _MIN_AMAX = tl.constexpr(quant._FP32_SCALE_MIN_AMAX)
 _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
-_UE8M0_MIN_AMAX_BITS = tl.constexpr(1 << 23)  # float32 bits of quant._UE8M0_MIN_AMAX, 2**-126
 _E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # float32 bits of 6.0, quant.E2M1_MAX
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 bits of 1.0
 
@@ -381,14 +380,14 @@ def dequantize_blocks(
 @triton.jit
 def _ue8m0_scales(amax_bits):
     """Block maxima as float32 bits (non-negative, so ordered like the values; NaN's above inf's)
-    -> (stored ue8m0 code, int32; 1 / scale, float32). quant._block_scales in integers: with
-    amax = 1.f * 2**(b - 127) (b its biased exponent, after the floor 2**-126) and 6 = 1.5 * 2**2,
-    ceil(log2(amax / 6)) = b - 129, plus one when f > 0.5; the code is that plus 127, at least 0
-    (a finite amax gives at most 253). NaN or inf: 255, and a NaN reciprocal so the block decodes
-    to NaN."""
-    bits = tl.maximum(amax_bits, _UE8M0_MIN_AMAX_BITS)
-    code = tl.maximum((bits >> 23) - 2 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32), 0)
-    finite = bits < 0x7F800000
+    -> (stored ue8m0 code, uint8; 1 / scale, float32). quant._block_scales in integers: with
+    amax = 1.f * 2**(b - 127) (b its biased exponent) and 6 = 1.5 * 2**2, ceil(log2(amax / 6)) is
+    b - 129, plus one when f > 0.5; the code is that plus 127, at least 0 (a finite amax gives at
+    most 253). quant.py's floor on amax (2**-126) needs no counterpart: every amax up to
+    3 * 2**-126, subnormal or zero too, gets code 0 either way. NaN or inf: 255, and a NaN
+    reciprocal so the block decodes to NaN."""
+    code = tl.maximum((amax_bits >> 23) - 2 + ((amax_bits & 0x7FFFFF) > 0x400000).to(tl.int32), 0)
+    finite = amax_bits < 0x7F800000
     # 2**(127 - code), biased exponent 254 - code: at least 1, a normal number.
     recip = tl.where(finite, (254 - code) << 23, 0x7FC00000).to(tl.float32, bitcast=True)
     return tl.where(finite, code, 255).to(tl.uint8), recip
