@@ -53,9 +53,10 @@ def master_dtypes(device: torch.device, weight_format: str = "e4m3") -> tuple[to
     """Master (and compute-copy) dtypes the kernels of `weight_format` take on `device`. fp8 on
     the GPU: bf16 only: with fp32 masters the H200 run of tests/test_weight_prep.py (triton 3.6)
     gave bits different from quant.py (cause not found yet, 2026-11-30), so fp32 masters take the
-    torch ops there; the interpreter covers both. e2m1: both everywhere (no division and no
-    libdevice call: a bf16 master is an fp32 one to its kernel, so one cannot differ without the
-    other)."""
+    torch ops there; the interpreter covers both. e2m1: both everywhere: its kernel divides
+    nothing, calls no libdevice function (triton compiles those flushing subnormals) and widens a
+    bf16 master to the float32 it is, so both dtypes take the same float32 ops
+    (tests/test_weight_prep_fp4.py's GPU tests compare both; not yet run on a GPU, 2026-12-04)."""
     if weight_format == "e2m1":
         return MASTER_DTYPES
     return (torch.bfloat16,) if device.type == "cuda" else MASTER_DTYPES
