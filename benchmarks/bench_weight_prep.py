@@ -2,6 +2,7 @@
 
   python benchmarks/bench_weight_prep.py [--mode fp8] [--shapes S1 S4] [--master-dtypes bf16 fp32]
   python benchmarks/bench_weight_prep.py --mode adapter [--experts 128] [--hidden 2048] [--inter 512] [--layers 5]
+  python benchmarks/bench_weight_prep.py --mode mxfp4 [--shapes S1 S4] [--master-dtypes bf16 fp32]
 
 fp8 (default): the fp8 recipe's once-per-optimizer-step weight preparation of one MoE layer's
 per-rank expert weights, S1 (E_local 128, H 4096, I 2048) and S4 (E_local 128, H 7168, I 2048):
@@ -14,6 +15,11 @@ per-rank expert weights, S1 (E_local 128, H 4096, I 2048) and S4 (E_local 128, H
                  torch (dequantize + deinterleave + cast) vs the fused kernel.
 Floors: bytes read + written over the HBM bandwidth measured in the same run (a 4 GiB
 device-to-device copy). Outputs are checked equal to the torch path's before timing.
+
+mxfp4: the mxfp8_mxfp4 recipe's weight preparation (E2M1, ue8m0 scales in 1 x 32 blocks), same
+shapes: the torch ops (use_kernel=False) against the E2M1 kernel as quantize_expert_weights runs it
+(no transposed copy), swept over tiles and num_warps, and the kernel with the transposed copy.
+Floors as for fp8; outputs checked equal to the torch path's first.
 
 adapter: the issue-9 comparison: before vs after the
 stacked expert parameters, DeepSeek-V3 proxy shapes (256 experts over EP=2, H=2048, I=512,
@@ -231,12 +237,77 @@ def fp8(args):
             del w1, w2, ours
 
 
+def mxfp4(args):
+    from megamoe_train.backends import triton_weight_prep as K
+
+    bw = hbm_bandwidth(4 << 30, iters=10, warmup=2)
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | HBM copy {bw / 1e12:.2f} TB/s (read + write)")
+
+    def row(label, fn, floor):
+        try:
+            ms = bench(fn, iters=args.iters)
+        except torch.OutOfMemoryError:
+            print(f"  {label:52s}      OOM")
+            torch.cuda.empty_cache()
+            return
+        print(f"  {label:52s} {ms:8.3f} ms | floor {floor:7.3f} ms, {ms / floor:5.2f}x floor")
+
+    for shape in args.shapes:
+        E, H, I = SHAPES[shape]
+        cfg = MegaMoEConfig(
+            num_experts=E, hidden=H, intermediate=I, topk=1, num_max_tokens_per_rank=8192, recipe="mxfp8_mxfp4"
+        )
+        chunk = cfg.precision.gate_up_chunk
+        n = E * 3 * I * H  # elements of w1 + w2
+        for dname in args.master_dtypes:
+            torch.cuda.empty_cache()
+            g = torch.Generator(device="cuda").manual_seed(0)
+            w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.02).to(DTYPES[dname])
+            w2 = (torch.randn(E, H, I, device="cuda", generator=g) * 0.02).to(DTYPES[dname])
+            layout_bytes = n // 2 + n // 32  # packed codes, one scale byte per 32 elements
+            floor = (n * w1.element_size() + layout_bytes) / bw * 1e3
+            floor_t = floor + layout_bytes / bw * 1e3
+            print(f"\n{shape} E_local={E} H={H} I={I} | {dname} masters | per layer, median of {args.iters}")
+            try:
+                ours = quantize_expert_weights(w1, w2, cfg)
+                oracle = quantize_expert_weights(w1, w2, cfg, use_kernel=False)
+                for f in ("w1", "w1_scales", "w2", "w2_scales"):
+                    assert torch.equal(getattr(ours, f), getattr(oracle, f)), f"{f}: kernel != torch"
+                print("  outputs: kernel == torch, bit for bit")
+            except torch.OutOfMemoryError:
+                print("  outputs: not compared here (out of memory; tests/test_weight_prep_fp4.py compares them)")
+            ours = oracle = None
+            torch.cuda.empty_cache()
+            row(
+                "transform, torch (use_kernel=False)",
+                lambda: quantize_expert_weights(w1, w2, cfg, use_kernel=False),
+                floor,
+            )
+            row("transform, kernel (default)", lambda: quantize_expert_weights(w1, w2, cfg), floor)
+            for tile in ((32, 128), (64, 128), (128, 128), (64, 64)):
+                for nw in args.num_warps:
+                    row(
+                        f"  kernel tile={tile} num_warps={nw}",
+                        lambda tile=tile, nw=nw: (
+                            K.quantize_e2m1_blocks(w1, chunk=chunk, transposed=False, tile=tile, num_warps=nw),
+                            K.quantize_e2m1_blocks(w2, transposed=False, tile=tile, num_warps=nw),
+                        ),
+                        floor,
+                    )
+            row(
+                "kernel with the transposed copy (default tile)",
+                lambda: (K.quantize_e2m1_blocks(w1, chunk=chunk), K.quantize_e2m1_blocks(w2)),
+                floor_t,
+            )
+            del w1, w2
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("fp8", "adapter"), default="fp8")
-    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["S1", "S4"], help="fp8 mode")
-    ap.add_argument("--master-dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="fp8 mode")
-    ap.add_argument("--num-warps", nargs="+", type=int, default=[4, 8, 16, 32], help="fp8 mode: kernel sweep")
+    ap.add_argument("--mode", choices=("fp8", "adapter", "mxfp4"), default="fp8")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["S1", "S4"], help="fp8, mxfp4 modes")
+    ap.add_argument("--master-dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="fp8, mxfp4 modes")
+    ap.add_argument("--num-warps", nargs="+", type=int, default=[4, 8, 16, 32], help="fp8, mxfp4: kernel sweep")
     ap.add_argument(
         "--rows-per-step",
         nargs="+",
@@ -250,7 +321,7 @@ def main():
     ap.add_argument("--inter", type=int, default=512, help="adapter mode")
     ap.add_argument("--layers", type=int, default=5, help="adapter mode: MoE layers per GPU")
     args = ap.parse_args()
-    fp8(args) if args.mode == "fp8" else adapter(args)
+    {"fp8": fp8, "adapter": adapter, "mxfp4": mxfp4}[args.mode](args)
 
 
 if __name__ == "__main__":

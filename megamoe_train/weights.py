@@ -16,6 +16,13 @@ transposed (w1_t, w2_t). For CUDA tensors one Triton kernel per weight reads the
 once and writes both layouts with their scales; elsewhere, and as its oracle, the torch ops of
 quant.py do, with the same bits. The kernels are a backend's (backends/triton_weight_prep.py):
 the backends package supplies them here (supply_weight_kernels), so this module imports none.
+
+mxfp8_mxfp4 (E2M1 weights, ue8m0 scales in 1 x 32 blocks) is quantized on CUDA by that module's
+E2M1 kernel too, one pass per weight, cached like fp8. No GEMM reads E2M1 weights yet (the reference
+executor dequantizes them), so their layout is quant.py's: quantize_weight's packed bytes and
+scales, rows interleaved in chunks of gate_up_chunk (8) like fp8's. The recipe's dgrad reads the
+dequantized compute copies, so the kernel's transposed copy (blocked along N, a quantization of
+its own) is not kept.
 """
 
 from __future__ import annotations
@@ -62,9 +69,9 @@ class ExpertWeights:
     """One rank's expert weights as the kernels read them.
 
     w1: fc1, gate/up interleaved in chunks of `chunk` rows: [E, 2I, H] (native or e4m3) or
-      packed FP4 [E, 2I, H/2]. Native (unquantized) weights have chunk == I (master order) and
-      alias the caller's tensor when it already has the compute dtype. w1_scales: its block
-      scales, interleaved the same way, or None.
+      packed FP4 [E, 2I, H/2] (quant.pack_fp4's order; ue8m0 scales [E, 2I, H/32]). Native
+      (unquantized) weights have chunk == I (master order) and alias the caller's tensor when it
+      already has the compute dtype. w1_scales: its block scales, interleaved the same way, or None.
     w2: fc2, [E, H, I] or packed [E, H, I/2]; w2_scales likewise.
     Recipes with quantized dgrad (precision.grad_format: fp8) also carry the B operands of the
     dgrad GEMMs (grad_act = dY_q @ w2_t[e]^T, grad_x = dH_q @ w1_t[e]^T), the forward's blocks
@@ -116,7 +123,9 @@ class ExpertWeights:
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
             recipe = get_recipe(self.recipe)
-            kernels = _prep_kernels(self.w1.device, use_kernel) if _kernels_handle(recipe) else None
+            # The dequantize kernel is fp8's only: E2M1 weights take the torch ops.
+            fp8 = _kernel_format(recipe) == "e4m3"
+            kernels = _prep_kernels(self.w1.device, use_kernel) if fp8 else None
             if kernels is not None and dtype in kernels.master_dtypes(self.w1.device):
                 block = recipe.weight_block
                 w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
@@ -129,22 +138,31 @@ class ExpertWeights:
         return cached[1], cached[2]
 
 
-def _kernels_handle(recipe: PrecisionRecipe) -> bool:
-    """The weight-prep kernels handle e4m3 weights with 2-D fp32 block scales (fp8)."""
-    return recipe.weight_format == "e4m3" and recipe.scale_format == "fp32"
+def _kernel_format(recipe: PrecisionRecipe) -> str | None:
+    """The weight format whose weight-prep kernel quantizes the recipe's weights: "e4m3" (2-D fp32
+    block scales: fp8), "e2m1" (ue8m0 scales in 1 x 32 blocks: mxfp8_mxfp4); None: the torch ops."""
+    if recipe.weight_format == "e4m3" and recipe.scale_format == "fp32":
+        return "e4m3"
+    if recipe.weight_format == "e2m1" and recipe.scale_format == "ue8m0" and recipe.weight_block == (1, 32):
+        return "e2m1"
+    return None
 
 
 class WeightKernels(Protocol):
-    """The fp8 weight-prep kernels that a backend supplies (backends/triton_weight_prep.py, a
-    module): bit for bit quant.py's torch ops and the gate/up (de)interleave."""
+    """The weight-prep kernels that a backend supplies (backends/triton_weight_prep.py, a module):
+    bit for bit quant.py's torch ops and the gate/up (de)interleave."""
 
     def supports(self, device: torch.device) -> bool: ...
 
-    def master_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]: ...
+    def master_dtypes(self, device: torch.device, weight_format: str = "e4m3") -> tuple[torch.dtype, ...]: ...
 
     def quantize_blocks(
         self, w: torch.Tensor, block: tuple[int, int], chunk: int | None = None
     ) -> tuple[torch.Tensor, ...]: ...
+
+    def quantize_e2m1_blocks(
+        self, w: torch.Tensor, chunk: int | None = None, transposed: bool = True
+    ) -> tuple[torch.Tensor | None, ...]: ...
 
     def dequantize_blocks(
         self,
@@ -285,8 +303,8 @@ def quantize_expert_weights(
 ) -> ExpertWeights:
     """Quantized recipes: master weights -> ExpertWeights, uncached (transform_weights caches).
 
-    use_kernel (fp8 only): None runs the Triton kernel for CUDA tensors where it can and the torch
-    ops otherwise; True / False force one. Both give the same bits.
+    use_kernel (fp8 and mxfp8_mxfp4): None runs the Triton kernel for CUDA tensors where it can and
+    the torch ops otherwise; True / False force one. Both give the same bits.
     """
     _check_weights(w1, w2, config)
     recipe = config.precision
@@ -295,11 +313,26 @@ def quantize_expert_weights(
     chunk = recipe.gate_up_chunk
     # A scale row covers weight_block[0] data rows; config guarantees chunk is a multiple.
     scale_chunk = chunk // recipe.weight_block[0]
-    kernels = _prep_kernels(w1.device, use_kernel) if _kernels_handle(recipe) else None
-    if use_kernel is None and kernels is not None and not {w1.dtype, w2.dtype} <= set(kernels.master_dtypes(w1.device)):
+    weight_format = _kernel_format(recipe)
+    kernels = _prep_kernels(w1.device, use_kernel) if weight_format else None
+    if (
+        use_kernel is None
+        and kernels is not None
+        and not {w1.dtype, w2.dtype} <= set(kernels.master_dtypes(w1.device, weight_format))
+    ):
         kernels = None  # e.g. float64 masters: the torch ops
     if use_kernel and kernels is None:
-        raise ValueError(f"use_kernel: the weight-prep kernel handles fp8 weights only, not {recipe.name!r}")
+        raise ValueError(
+            f"use_kernel: the weight-prep kernels handle fp8 and mxfp8_mxfp4 weights only, not {recipe.name!r}"
+        )
+    if kernels is not None and weight_format == "e2m1":
+        # No transposed copies: 1 x 32 blocks never come with a quantized dgrad (precision.py
+        # wants square blocks for one), so the dgrad reads the compute copies.
+        w1_data, w1_scales, _, _ = kernels.quantize_e2m1_blocks(w1, chunk=chunk, transposed=False)
+        w2_data, w2_scales, _, _ = kernels.quantize_e2m1_blocks(w2, transposed=False)
+        return ExpertWeights(
+            recipe=recipe.name, w1=w1_data, w1_scales=w1_scales, w2=w2_data, w2_scales=w2_scales, chunk=chunk
+        )
     if kernels is not None:
         w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_blocks(w1, recipe.weight_block, chunk=chunk)
         w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_blocks(w2, recipe.weight_block)

@@ -1,7 +1,7 @@
 """The executors of the one protocol (protocol.py), by name: mega_moe(backend=...) picks one
 here and runs protocol.forward / protocol.backward with it. What an executor does at each step
 is backends/executor.py's contract. This package also hands weights.py (which every executor
-reads) the fp8 weight-prep kernels, weights.supply_weight_kernels, so that it imports no backend."""
+reads) the weight-prep kernels (fp8, mxfp4), weights.supply_weight_kernels, so that it imports no backend."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _triton_executor() -> Executor:
 
 
 def _weight_prep_kernels():
-    """The fp8 weight-prep kernels (imported on first use: they need triton)."""
+    """The weight-prep kernels (imported on first use: they need triton)."""
     from . import triton_weight_prep
 
     return triton_weight_prep

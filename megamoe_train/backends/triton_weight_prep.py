@@ -1,4 +1,4 @@
-"""Triton kernels that prepare fp8 expert weights once per weight update.
+"""Triton kernels that prepare quantized expert weights once per weight update (fp8; mxfp4 below).
 
 `quantize_blocks` reads a master weight [E, N, K] (fp32 / bf16) once and, per block of
 the recipe's weight block (128 x 128 for fp8), computes the block's amax and fp32 scale and
@@ -18,6 +18,13 @@ CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, used by t
 float casts do not round to nearest even (triton 3.8: fp32 -> bf16 truncates, fp8 rounds ties up),
 so for CPU tensors the kernels convert with integer ops that do (SOFT_CAST); on the GPU the
 hardware conversions (cvt.rn) do it.
+
+`quantize_e2m1_blocks` does the same for the mxfp8_mxfp4 recipe's E2M1 weights with ue8m0 scales in
+1 x 32 blocks: one pass over the master weight writes the packed codes and scales in kernel layout
+(blocks along K, fc1 rows interleaved) and, optionally, the transposed copy (blocks along N: the
+layout a dgrad reading W transposed would take, a quantization of its own since the blocks are not
+square). Bit for bit quant.quantize_weight, with integer ops and one multiply by an exact power of
+two, the same on the GPU and in the interpreter (no soft casts needed).
 """
 
 from __future__ import annotations
@@ -35,16 +42,23 @@ from .triton_kernels import divide_rn
 _E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
 _MIN_AMAX = tl.constexpr(quant._FP32_SCALE_MIN_AMAX)
 _E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
+_E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # float32 bits of 6.0, quant.E2M1_MAX
+_ONE_BITS = tl.constexpr(0x3F800000)  # float32 bits of 1.0
 
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels are written for
 
 
-def master_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
-    """Master (and compute-copy) dtypes the kernels take on `device`. On the GPU bf16 only: with
-    fp32 masters the H200 run of tests/test_weight_prep.py (triton 3.6) gave bits different from
-    quant.py (cause not found yet, 2026-11-30), so fp32 masters take the torch ops
-    there; the interpreter covers both."""
+def master_dtypes(device: torch.device, weight_format: str = "e4m3") -> tuple[torch.dtype, ...]:
+    """Master (and compute-copy) dtypes the kernels of `weight_format` take on `device`. fp8 on
+    the GPU: bf16 only: with fp32 masters the H200 run of tests/test_weight_prep.py (triton 3.6)
+    gave bits different from quant.py (cause not found yet, 2026-11-30), so fp32 masters take the
+    torch ops there; the interpreter covers both. e2m1: both everywhere: its kernel divides
+    nothing, calls no libdevice function (triton compiles those flushing subnormals) and widens a
+    bf16 master to the float32 it is, so both dtypes take the same float32 ops
+    (tests/test_weight_prep_fp4.py's GPU tests compare both; not yet run on a GPU, 2026-12-04)."""
+    if weight_format == "e2m1":
+        return MASTER_DTYPES
     return (torch.bfloat16,) if device.type == "cuda" else MASTER_DTYPES
 
 
@@ -359,3 +373,176 @@ def dequantize_blocks(
         num_warps=num_warps,
     )
     return out
+
+
+# ----------------------------------------------------------------------------- e2m1 (mxfp4) weights
+
+
+@triton.jit
+def _ue8m0_scales(amax_bits):
+    """Block maxima as float32 bits (non-negative, so ordered like the values; NaN's above inf's)
+    -> (stored ue8m0 code, uint8; 1 / scale, float32). quant._block_scales in integers: with
+    amax = 1.f * 2**(b - 127) (b its biased exponent) and 6 = 1.5 * 2**2, ceil(log2(amax / 6)) is
+    b - 129, plus one when f > 0.5; the code is that plus 127, at least 0 (a finite amax gives at
+    most 253). quant.py's floor on amax (2**-126) needs no counterpart: every amax up to
+    3 * 2**-126, subnormal or zero too, gets code 0 either way. NaN or inf: 255, and a NaN
+    reciprocal so the block decodes to NaN."""
+    code = tl.maximum((amax_bits >> 23) - 2 + ((amax_bits & 0x7FFFFF) > 0x400000).to(tl.int32), 0)
+    finite = amax_bits < 0x7F800000
+    # 2**(127 - code), biased exponent 254 - code: at least 1, a normal number.
+    recip = tl.where(finite, (254 - code) << 23, 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(finite, code, 255).to(tl.uint8), recip
+
+
+@triton.jit
+def _e2m1_codes(x, recip):
+    """x * recip (a power of two, so the product is x / scale exactly) -> E2M1 codes (int32,
+    sign << 3 | magnitude index), as quant._e2m1_encode: nearest value, ties to the even index,
+    saturating at 6. Integer ops and a plain multiply only (no libdevice, which flushes
+    subnormals on the GPU). The sign is the product's, so a NaN block's signs follow the
+    device's NaN propagation as torch's division does."""
+    y = x * recip
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 28) & 8
+    magnitude = tl.minimum(bits & 0x7FFFFFFF, _E2M1_MAX_BITS)  # NaN and inf saturate to 6 too
+    # [1, 6]: keep one mantissa bit, rounding to nearest even (a carry moves into the exponent),
+    # and rebias: 1.0 (exponent field 127) is index 2.
+    normal = ((magnitude + 0x1FFFFF + ((magnitude >> 22) & 1)) >> 22) - (126 << 1)
+    # Below 1: 0, 0.5 or 1.0 (indices 0, 1, 2); the tie 0.25 goes to 0, 0.75 to 1.0.
+    m = magnitude.to(tl.float32, bitcast=True)
+    small = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32)
+    return sign | tl.where(magnitude < _ONE_BITS, small, normal)
+
+
+@triton.jit
+def _pack_pairs(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """codes [ROWS, COLS] -> bytes [ROWS, COLS / 2], as quant.pack_fp4: the even column in the
+    low nibble."""
+    even, odd = tl.split(tl.reshape(codes, [ROWS, COLS // 2, 2]))
+    return (even | (odd << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_e2m1_kernel(
+    src,
+    stride_e,
+    stride_n,
+    stride_k,
+    data,
+    scales,
+    data_t,
+    scales_t,
+    N,
+    K,
+    inter,
+    chunk,
+    GATE_UP: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    TILE_N: tl.constexpr,
+    TILE_K: tl.constexpr,
+):
+    """One program per TILE_N x TILE_K tile of the master weight: read it once, write its 1 x 32
+    blocks along K packed in kernel layout (fc1 rows gate/up interleaved) with their scales and,
+    with TRANSPOSED, its 32 x 1 blocks along N packed into the transposed copy with theirs.
+    BF16_BITS: src holds bf16 masters as int16 bits, widened to float32 by a shift (exact, also
+    for subnormals, which the interpreter's bf16 cast gets wrong in triton 3.8)."""
+    e, nt, kt, n_tiles, k_tiles = _block_ids(N, K, TILE_N, TILE_K)
+    r = tl.arange(0, TILE_N)
+    c = tl.arange(0, TILE_K)
+    tile = src + e * stride_e + (nt * TILE_N).to(tl.int64) * stride_n + (kt * TILE_K).to(tl.int64) * stride_k
+    x = tl.load(tile + r[:, None] * stride_n + c[None, :] * stride_k)
+    if BF16_BITS:
+        x = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    # amax as the integer max of |x|'s bits, as the fp8 kernel does (a NaN wins over inf).
+    magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    # Kernel layout: [E, N, K / 2] bytes and [E, N, K / 32] scales, fc1 rows interleaved in
+    # chunks of `chunk` rows (_kernel_row_block with one-row blocks).
+    amax = tl.max(tl.reshape(magnitude, [TILE_N, TILE_K // 32, 32]), axis=2)
+    code, recip = _ue8m0_scales(amax)
+    recip = tl.reshape(tl.broadcast_to(recip[:, :, None], [TILE_N, TILE_K // 32, 32]), [TILE_N, TILE_K])
+    packed = _pack_pairs(_e2m1_codes(x, recip), TILE_N, TILE_K)
+    row = e * N + _kernel_row_block(nt * TILE_N + r, inter, chunk, GATE_UP).to(tl.int64)
+    tl.store(data + row[:, None] * (K // 2) + kt * (TILE_K // 2) + tl.arange(0, TILE_K // 2)[None, :], packed)
+    tl.store(scales + row[:, None] * (K // 32) + kt * (TILE_K // 32) + tl.arange(0, TILE_K // 32)[None, :], code)
+
+    if TRANSPOSED:
+        # The master-order weight transposed: [E, K, N / 2] bytes and [E, K, N / 32] scales.
+        amax_t = tl.max(tl.reshape(magnitude, [TILE_N // 32, 32, TILE_K]), axis=1)
+        code_t, recip_t = _ue8m0_scales(amax_t)
+        recip_t = tl.reshape(tl.broadcast_to(recip_t[:, None, :], [TILE_N // 32, 32, TILE_K]), [TILE_N, TILE_K])
+        packed_t = _pack_pairs(tl.trans(_e2m1_codes(x, recip_t)), TILE_K, TILE_N)
+        row_t = e * K + (kt * TILE_K + c).to(tl.int64)
+        tl.store(data_t + row_t[:, None] * (N // 2) + nt * (TILE_N // 2) + tl.arange(0, TILE_N // 2)[None, :], packed_t)
+        tl.store(
+            scales_t + row_t[:, None] * (N // 32) + nt * (TILE_N // 32) + tl.arange(0, TILE_N // 32)[None, :],
+            tl.trans(code_t),
+        )
+
+
+def _tile(size: int, largest: int) -> int:
+    """The largest power of two up to `largest` (at least one block, 32) that divides size."""
+    tile = largest
+    while size % tile:
+        tile //= 2
+    return tile
+
+
+def quantize_e2m1_blocks(
+    w: torch.Tensor,
+    chunk: int | None = None,
+    transposed: bool = True,
+    tile: tuple[int, int] = (64, 128),
+    num_warps: int = 4,
+):
+    """Quantize w [E, N, K] to E2M1 with ue8m0 scales in 1 x 32 blocks (the mxfp8_mxfp4 recipe's
+    weights) in one pass; N and K multiples of 32.
+
+    Returns (data, scales, data_t, scales_t): data [E, N, K/2] packed uint8 (two codes a byte, the
+    even element in the low nibble) and scales [E, N, K/32] uint8 in kernel layout (with chunk:
+    rows gate/up interleaved in chunks of `chunk` rows, else master order); data_t [E, K, N/2] and
+    scales_t [E, K, N/32]: the master-order weight transposed, quantized in 1 x 32 blocks along N
+    (other blocks than data's, so not data transposed); None, None without `transposed`. Bit for
+    bit quant.quantize_weight of the (interleaved, resp. transposed) master weight. tile: the
+    (rows, cols) one program reads at most, powers of two of at least 32 (smaller where the shape
+    needs).
+    """
+    if w.dtype not in master_dtypes(w.device, "e2m1"):
+        raise ValueError(f"weight: expected one of {master_dtypes(w.device, 'e2m1')}, got {w.dtype}")
+    if any(t < 32 or t & (t - 1) for t in tile):
+        raise ValueError(f"tile: {tile} must be powers of two of at least 32")
+    _check_tiling("weight", w.shape, w.device, (32, 32))  # the transposed copy blocks N by 32 too
+    E, N, K = w.shape
+    tile_n, tile_k = _tile(N, tile[0]), _tile(K, tile[1])
+    if max(w.stride(1), w.stride(2)) * max(tile_n, tile_k) >= 2**31:
+        w = w.contiguous()  # offsets inside a tile are 32-bit
+    inter, chunk_rows = _gate_up_blocks(N, 1, chunk)
+    data = torch.empty(E, N, K // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(E, N, K // 32, dtype=torch.uint8, device=w.device)
+    if transposed:
+        data_t = torch.empty(E, K, N // 2, dtype=torch.uint8, device=w.device)
+        scales_t = torch.empty(E, K, N // 32, dtype=torch.uint8, device=w.device)
+    else:
+        data_t, scales_t = data, scales  # never written (TRANSPOSED off)
+    _quantize_e2m1_kernel[(E * (N // tile_n) * (K // tile_k),)](
+        w.view(torch.int16) if w.dtype == torch.bfloat16 else w,
+        *w.stride(),
+        data,
+        scales,
+        data_t,
+        scales_t,
+        N,
+        K,
+        inter,
+        chunk_rows,
+        GATE_UP=chunk is not None,
+        TRANSPOSED=transposed,
+        BF16_BITS=w.dtype == torch.bfloat16,
+        TILE_N=tile_n,
+        TILE_K=tile_k,
+        num_warps=num_warps,
+    )
+    if not transposed:
+        return data, scales, None, None
+    return data, scales, data_t, scales_t
