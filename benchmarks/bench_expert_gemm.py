@@ -3,7 +3,7 @@ SwiGLU + requantization kernel, CUTLASS grouped GEMM for L2) against our fused k
 (csrc/cuda/expert_gemm.h: L1 with SwiGLU in its epilogue, then L2), on a rank's routed pool
 (bench_gemm.pool_sizes: uniform routing, experts padded to 16 rows), with the floor of the same run.
 
-  python benchmarks/bench_expert_gemm.py [--shapes S1,S4,S2,P,proxy16] [--ep 1] [--out x.md]
+  python benchmarks/bench_expert_gemm.py [--shapes S1,S4,S2,P,proxy16] [--ep 1] [--out x.md] [--once]
 
 Per shape: each piece's median ms and TFLOP/s of routed rows, the sum, and the floor =
 max(FLOPs / the dense fp8 rate, bytes / the HBM rate), FLOPs and bytes of the routed rows (the
@@ -28,7 +28,7 @@ from megamoe_train.weights import interleave_gate_up
 FP8 = get_recipe("fp8")
 
 
-def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str]:
+def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool = False) -> list[str]:
     E, topk, H, I, T = SHAPES[shape]
     sizes, useful = pool_sizes(shape, ep, routed=True)
     G, P = len(sizes), sum(sizes)
@@ -64,6 +64,12 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str
 
     def l2_ours(variant=0):
         cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out, variant)
+
+    if once:  # each GEMM launched once, nothing timed: for Nsight Compute
+        for fn in (split_l1, l2_cutlass, fused_l1, ours_l1_plain, l2_ours):
+            fn()
+        torch.cuda.synchronize()
+        return []
 
     # agreement first: the fused L1 + L2 against the split path on the same inputs
     split_l1()
@@ -147,11 +153,21 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="S1,S4,S2,P,proxy16")
     p.add_argument("--ep", type=int, default=1, help="the rank's pool as at this expert parallelism")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="launch each GEMM once (CUTLASS L1, L2; ours fused L1, plain L1, L2), nothing timed: for "
+        "`ncu -k regex:'expert_gemm_kernel|device_kernel'`",
+    )
     args = p.parse_args(argv)
     dev = torch.device("cuda", 0)
     if not cutlass_gemm.has_expert_gemm(dev):
         print("needs an sm_90 GPU and megamoe_train._cuda built with the expert GEMMs", file=sys.stderr)
         return 1
+    if args.once:
+        for shape in args.shapes.split(","):
+            run_shape(shape, args.ep, 0.0, 0.0, dev, once=True)
+        return 0
     _, fp8_rate, _ = peaks(dev)
     hbm = hbm_bandwidth()  # bytes read + written per second (the copy rate); the floors count both
     head = [
