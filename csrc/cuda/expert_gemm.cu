@@ -31,18 +31,18 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred = false, bool kGateGlobal = false>
+template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
   // + alignment slack
-  constexpr int buffers = expert_sm90::staging_buffers(kStaged, kDeferred && !kGateGlobal);
+  constexpr int buffers = expert_sm90::staging_buffers(kStaged, kDeferred);
   constexpr size_t smem = sizeof(expert_sm90::SharedStorage<buffers>) + 1024;
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kPair, kStaged, kStagger, kDeferred, kGateGlobal>;
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kCluster, kStaged, kStagger, kDeferred>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kPair ? 2 : 1;
+  cluster.val.clusterDim.x = kCluster;
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
   config.blockDim = dim3(expert_sm90::kThreads);
@@ -61,12 +61,12 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
       if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return "cudaDeviceGetAttribute failed";
       l.grid = sms;
-      if (kPair) {  // a persistent grid larger than what runs at once would serialize
-        config.gridDim = dim3(sms / 2 * 2);
+      if (kCluster > 1) {  // a persistent grid larger than what runs at once would serialize
+        config.gridDim = dim3(sms / kCluster * kCluster);
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0)
           return "cudaOccupancyMaxActiveClusters failed";
-        l.grid = 2 * clusters;
+        l.grid = kCluster * clusters;
       }
       l.ready = true;
     }
@@ -77,18 +77,17 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-// expert_gemm.h: bits 2-4 only with the staged schedule, bits 3-4 only for SwiGLU, bit 4 only
-// with the deferred epilogue
+// expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU
 bool valid_variant(int variant, bool swiglu) {
-  if (variant < 0 || variant > (swiglu ? 31 : 7)) return false;
-  if ((variant & 2) && (variant & 28)) return false;
-  return !((variant & 8) && (variant & 16));
+  if (variant < 0 || variant > 31 || ((variant & 8) && !swiglu)) return false;
+  return !((variant & 2) && (variant & 12));
 }
 
-template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred, bool kGateGlobal = false>
-const char* run_paired(bool pair, const Params& p, int device, cudaStream_t stream) {
-  return pair ? run<kSwiGLU, true, kStaged, kStagger, kDeferred, kGateGlobal>(p, device, stream)
-              : run<kSwiGLU, false, kStaged, kStagger, kDeferred, kGateGlobal>(p, device, stream);
+template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred>
+const char* run_clustered(int cluster, const Params& p, int device, cudaStream_t stream) {
+  if (cluster == 4) return run<kSwiGLU, 4, kStaged, kStagger, kDeferred>(p, device, stream);
+  if (cluster == 2) return run<kSwiGLU, 2, kStaged, kStagger, kDeferred>(p, device, stream);
+  return run<kSwiGLU, 1, kStaged, kStagger, kDeferred>(p, device, stream);
 }
 
 template <bool kSwiGLU>
@@ -100,13 +99,21 @@ const char* launch(const ExpertGemmArgs& a) {
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
   if (!valid_variant(a.variant, kSwiGLU))
-    return kSwiGLU ? "variant must be one of 0-5, 8, 9, 12, 13, 16, 17, 20, 21" : "variant must be in [0, 5]";
+    return kSwiGLU ? "variant must be in [0, 31], bit 1 without bits 2 and 3 (expert_gemm.h)"
+                   : "variant must be in [0, 31] without bit 3, bit 1 without bit 2 (expert_gemm.h)";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
     return "out and act must be 16-byte aligned";
   if (a.pool_rows == 0) return "";
+  const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
+  const int cluster = (a.variant & 1)                                  ? 1
+                      : (a.variant & 16) && units_per_tile % 4 == 0 ? 4
+                      : units_per_tile % 2 == 0                      ? 2
+                                                                     : 1;
   Params p{};
-  if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, expert_sm90::kBlockM / 2); e[0]) return e;
+  // A's box: a cluster CTA's share of the 128-row tile (without a cluster, two 64-row loads)
+  const uint32_t a_box_rows = expert_sm90::kBlockM / (cluster == 4 ? 4 : 2);
+  if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, a_box_rows); e[0]) return e;
   if (const char* e = encode(&p.tma_b, a.b, int64_t(a.num_groups) * a.n, a.k, expert_sm90::kBlockN); e[0]) return e;
   p.a_scales = a.a_scales;
   p.b_scales = a.b_scales;
@@ -123,21 +130,16 @@ const char* launch(const ExpertGemmArgs& a) {
   p.clamp = a.clamp;
   p.has_clamp = a.has_clamp ? 1 : 0;
 
-  const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  const bool pair = units_per_tile % 2 == 0 && !(a.variant & 1);
-  if (a.variant & 2) return run_paired<kSwiGLU, false, false, false>(pair, p, a.device, stream);
+  if (a.variant & 2) return run_clustered<kSwiGLU, false, false, false>(cluster, p, a.device, stream);
   const bool stagger = !(a.variant & 4);
   if constexpr (kSwiGLU) {
-    if (a.variant & 16)
-      return stagger ? run_paired<true, true, true, true, true>(pair, p, a.device, stream)
-                     : run_paired<true, true, false, true, true>(pair, p, a.device, stream);
     if (!(a.variant & 8))
-      return stagger ? run_paired<true, true, true, true>(pair, p, a.device, stream)
-                     : run_paired<true, true, false, true>(pair, p, a.device, stream);
+      return stagger ? run_clustered<true, true, true, true>(cluster, p, a.device, stream)
+                     : run_clustered<true, true, false, true>(cluster, p, a.device, stream);
   }
-  return stagger ? run_paired<kSwiGLU, true, true, false>(pair, p, a.device, stream)
-                 : run_paired<kSwiGLU, true, false, false>(pair, p, a.device, stream);
+  return stagger ? run_clustered<kSwiGLU, true, true, false>(cluster, p, a.device, stream)
+                 : run_clustered<kSwiGLU, true, false, false>(cluster, p, a.device, stream);
 }
 
 }  // namespace

@@ -33,13 +33,13 @@ struct ExpertGemmArgs {
   int chunk;                 // SwiGLU only
   float clamp;               // SwiGLU only, used where has_clamp
   bool has_clamp;
-  // bit 0 set: no 2-CTA clusters (else they share A where a tile has an even block count);
+  // bit 0 set: no CTA clusters (else 2-CTA clusters share A where a tile has an even block count);
   // bit 1 set: the first schedule (epilogue after each block, stored from the fragments), else
   // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory);
   // bit 2 set (staged only): the math warpgroups not staggered by a K block;
   // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
   // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas;
-  // bit 4 set (deferred only): the gate block read back from global memory (5 stages, not 4)
+  // bit 4 set (bit 0 clear): 4-CTA clusters share A where the block count is a multiple of 4
   int variant;
   void* stream;
   int device;

@@ -13,10 +13,11 @@
 //   groups once, in shared memory, and walks the same work list as every other CTA.
 // - Work units are (m tile, 128-wide output block), m-major, so the ~132 units in flight share
 //   two or three experts' weights through L2 and each weight block comes from HBM about once.
-// - With an even number of blocks per m tile, CTAs run in pairs (a 2-CTA cluster) on the same m
-//   tile and neighbouring blocks: each CTA loads half of the A tile and multicasts it to both, so
-//   A's L2 reads halve (at 128x128x128 fp8 tiles the L2 -> SM feed, ~11 TB/s at the dense rate,
-//   is what limits the main loop).
+// - With an even number of blocks per m tile, CTAs run in clusters of 2 (or, by variant, 4 where
+//   the count is a multiple of 4) on the same m tile and neighbouring blocks: each CTA loads its
+//   share of the A tile and multicasts it to all, so A's L2 reads drop to a half (a quarter); at
+//   128x128x128 fp8 tiles the L2 -> SM feed, ~11 TB/s at the dense rate, is what limits the main
+//   loop (Nsight Compute: CUTLASS's L1 at S4 runs at 90% of L2 throughput).
 // - Warpgroup 0 is the producer (one thread issues every TMA load); warpgroups 1-2 each compute
 //   64 rows of the 128-row tile with m64n128k32 wgmma. fp8: each 128-deep K block goes into a
 //   scratch accumulator, then is promoted into the fp32 result times A's row scales and B's block
@@ -200,20 +201,20 @@ __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, s
   }
 }
 
-template <bool kSwiGLU, bool kPair>
+template <bool kSwiGLU, int kCluster>
 __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
-template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred, bool kGateGlobal>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred && !kGateGlobal)>& s,
+template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile);
 
-// kPair: the CTA is one of a 2-CTA cluster sharing each A tile by multicast (units_per_tile even).
+// kCluster: 1, or the CTA is one of a cluster of 2 or 4 CTAs on neighbouring blocks of one m tile
+// (units_per_tile a multiple of kCluster), each loading 1/kCluster of the A tile for all by multicast.
 // kStaged: the staged schedule, kStagger: its math warpgroups a K block apart, kDeferred: its
-// SwiGLU epilogue deferred into passes under the next unit's wgmmas, kGateGlobal: with the gate
-// block read back from global memory (math_staged).
-template <bool kSwiGLU, bool kPair, bool kStaged, bool kStagger, bool kDeferred, bool kGateGlobal = false>
+// SwiGLU epilogue deferred into passes under the next unit's wgmmas (math_staged).
+template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
-  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred && !kGateGlobal)>;
+  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred)>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ char smem_raw[];
   // aligned by an offset from smem_raw (not through an integer), so accesses stay shared-memory ones
@@ -222,16 +223,16 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int G = p.num_groups, KB = p.k / kBlockK;
   const int units_per_tile = kSwiGLU ? p.n / (2 * kBlockN) : p.n / kBlockN;
-  const int cta = kPair ? int(cute::block_rank_in_cluster()) : 0;
-  // units are taken in pairs by a cluster: (its first unit, the stride between its units)
-  const int first_unit = kPair ? (blockIdx.x / 2) * 2 + cta : blockIdx.x;
+  const int cta = kCluster > 1 ? int(cute::block_rank_in_cluster()) : 0;
+  // units are taken kCluster at a time by a cluster: (its first unit, the stride between its units)
+  const int first_unit = (blockIdx.x / kCluster) * kCluster + cta;
   const int unit_stride = gridDim.x;
 
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
       cutlass::arch::ClusterTransactionBarrier::init(&s.full[st], 1);
       // one arrive per math warp of every CTA whose loads write this stage
-      cutlass::arch::ClusterBarrier::init(&s.empty[st], (kPair ? 2 : 1) * kMathThreads / 32);
+      cutlass::arch::ClusterBarrier::init(&s.empty[st], kCluster * kMathThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(&p.tma_a);
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       carry += __shfl_sync(0xffffffffu, tiles, 31);
     }
   }
-  if constexpr (kPair) {  // the peer's barriers exist before any multicast reaches them
+  if constexpr (kCluster > 1) {  // the peers' barriers exist before any multicast reaches them
     cute::cluster_arrive_relaxed();
     cute::cluster_wait();
   } else {
@@ -280,9 +281,10 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
             cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase ^ 1);
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytes);
             Element* a_stage = s.a.data() + stage * kBlockM * kBlockK;
-            if constexpr (kPair) {  // this CTA's half of the rows, into both CTAs
-              SM90_TMA_LOAD_MULTICAST_2D::copy(&p.tma_a, &s.full[stage], 0x3, 0, a_stage + cta * 64 * kBlockK,
-                                               kb * kBlockK, tile.m0 + cta * 64);
+            if constexpr (kCluster > 1) {  // this CTA's share of the rows, into every CTA of the cluster
+              constexpr int kRows = kBlockM / kCluster;  // the A descriptor's box (expert_gemm.cu)
+              SM90_TMA_LOAD_MULTICAST_2D::copy(&p.tma_a, &s.full[stage], (1u << kCluster) - 1, 0,
+                                               a_stage + cta * kRows * kBlockK, kb * kBlockK, tile.m0 + cta * kRows);
             } else {
               SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage, kb * kBlockK, tile.m0);
               SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + 64 * kBlockK, kb * kBlockK, tile.m0 + 64);
@@ -298,24 +300,23 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       }
     }
   } else if constexpr (kStaged) {
-    math_staged<kSwiGLU, kPair, kStagger, kDeferred, kGateGlobal>(p, s, first_unit, unit_stride, total_units,
-                                                                units_per_tile);
+    math_staged<kSwiGLU, kCluster, kStagger, kDeferred>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   } else {
-    math<kSwiGLU, kPair>(p, s, first_unit, unit_stride, total_units, units_per_tile);
+    math<kSwiGLU, kCluster>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   }
-  if constexpr (kPair) {  // no CTA leaves while its peer may still arrive on its barriers
+  if constexpr (kCluster > 1) {  // no CTA leaves while a peer may still arrive on its barriers
     cute::cluster_arrive_relaxed();
     cute::cluster_wait();
   }
 }
 
 // Releases a consumed stage to every CTA whose loads write it.
-template <bool kPair>
+template <int kCluster>
 __device__ __forceinline__ void release(uint64_t* empty, int lane) {
   if (lane == 0) {
-    if constexpr (kPair) {
-      cutlass::arch::ClusterBarrier::arrive(empty, 0, 1);
-      cutlass::arch::ClusterBarrier::arrive(empty, 1, 1);
+    if constexpr (kCluster > 1) {
+#pragma unroll
+      for (int c = 0; c < kCluster; ++c) cutlass::arch::ClusterBarrier::arrive(empty, c, 1);
     } else {
       cutlass::arch::ClusterBarrier::arrive(empty);
     }
@@ -341,7 +342,7 @@ __device__ __forceinline__ void issue_k_block(Mma& mma, FragA& tCrA, FragB& tCrB
 
 // The first schedule (no kStaged): each block's K loop, then its epilogue stored straight from
 // the fragments, with no wgmma in flight.
-template <bool kSwiGLU, bool kPair>
+template <bool kSwiGLU, int kCluster>
 __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile) {
   using Storage = SharedStorage<0>;
@@ -391,7 +392,7 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
         issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage);
         warpgroup_wait<0>();
         warpgroup_fence_operand(scratch);
-        release<kPair>(&s.empty[stage], lane);
+        release<kCluster>(&s.empty[stage], lane);
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
@@ -450,10 +451,10 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
 // tensor cores, and issued at once their wgmmas interleave, end together, and leave the tensor
 // cores idle while both promote; a K block apart, each one's wgmmas queue behind the other's and
 // run while the other promotes, which keeps them apart.
-template <bool kSwiGLU, bool kPair, bool kStagger, bool kDeferred, bool kGateGlobal>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred && !kGateGlobal)>& s,
+template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile) {
-  using Storage = SharedStorage<staging_buffers(true, kDeferred && !kGateGlobal)>;
+  using Storage = SharedStorage<staging_buffers(true, kDeferred)>;
   static_assert(kSwiGLU || !kDeferred, "only the SwiGLU epilogue is deferred");
   constexpr int kStages = Storage::kStages;
   constexpr int kHalves = kSwiGLU ? 2 : 1;
@@ -476,7 +477,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   // 8 (v >> 2) + 2 (lane % 4) + (v & 1)
   const int frag_row = (wt / 32) * 16 + lane / 4;
   const int tile_row = wg * 64 + frag_row;
-  uint8_t* staging = s.staging.data() + (kDeferred && !kGateGlobal ? 2 : 1) * wg * 64 * kStagingPitch;
+  uint8_t* staging = s.staging.data() + (kDeferred ? 2 : 1) * wg * 64 * kStagingPitch;
   const int frag_offset = frag_row * kStagingPitch + 4 * (lane % 4);
   const int NB = p.n / kBlockN, I = p.n / 2;
 
@@ -561,17 +562,14 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   // SwiGLU, the row's amax by 4 shuffles, the e4m3 block. A pass needs ~30 registers beside the
   // two accumulators, so it runs under the next unit's gate-block wgmmas, one step in two where
   // that block has at least 16 steps; what is left when it ends runs then, before that block is
-  // staged. The gate block either waits in a second staging buffer (4 stages fit beside them), or
-  // (kGateGlobal) is copied out at its end like a plain block and read back by the passes from
-  // L2, a pass ahead, so one buffer serves both blocks and 5 stages fit.
+  // staged. The gate block waits in a second staging buffer (4 stages fit beside the two).
   constexpr int kPasses = 8;
-  uint8_t* const staged_up = kGateGlobal ? staging : staging + 64 * kStagingPitch;
+  uint8_t* const staged_up = staging + 64 * kStagingPitch;
   const int pass_row = wt / 16, pass_col = 8 * (wt % 16);
   int pass = kPasses;                     // the pending unit's next pass (kPasses: none pending)
   int pend_row0 = 0, pend_end = 0;        // its first row in this warpgroup and its group's end
   int pend_col = 0, pend_block = 0;       // its gate block's output column and its activation block
   float pend_w = 0.0f;                    // the next pass's row weight, loaded a pass ahead
-  uint4 pend_gate = make_uint4(0, 0, 0, 0);  // kGateGlobal: the next pass's gate values, likewise
   const bool pass_every_step = KB < 2 * kPasses;
 
   // acc (a finished block) -> bf16 into a staging buffer in the fragments' layout; acc is zeroed
@@ -587,30 +585,20 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
       }
     }
   };
-  auto load_pass_inputs = [&]() {
+  auto load_pass_weight = [&]() {
     const int row = pend_row0 + 8 * pass + pass_row;
-    const bool live = row < pend_end;
-    pend_w = live ? __ldg(p.row_weights + row) : 0.0f;
-    if constexpr (kGateGlobal) {  // written by this kernel: through L2, not the read-only path
-      pend_gate = live ? __ldcg(reinterpret_cast<const uint4*>(p.out + size_t(row) * p.n + pend_col + pass_col))
-                       : make_uint4(0, 0, 0, 0);
-    }
+    pend_w = row < pend_end ? __ldg(p.row_weights + row) : 0.0f;
   };
   auto swiglu_pass = [&]() {
     const int lr = 8 * pass + pass_row, row = pend_row0 + lr;
     const bool live = row < pend_end;
     const float w = pend_w;
-    uint4 g;
-    if constexpr (kGateGlobal) {
-      g = pend_gate;
-    } else {
-      g = *reinterpret_cast<const uint4*>(staging + lr * kStagingPitch + 2 * pass_col);
-    }
-    if (++pass < kPasses) load_pass_inputs();
+    if (++pass < kPasses) load_pass_weight();
+    const uint4 g = *reinterpret_cast<const uint4*>(staging + lr * kStagingPitch + 2 * pass_col);
     const uint4 u = *reinterpret_cast<const uint4*>(staged_up + lr * kStagingPitch + 2 * pass_col);
     __nv_bfloat16* out_row = p.out + size_t(row) * p.n + pend_col + pass_col;
     if (live) {
-      if constexpr (!kGateGlobal) *reinterpret_cast<uint4*>(out_row) = g;
+      *reinterpret_cast<uint4*>(out_row) = g;
       *reinterpret_cast<uint4*>(out_row + p.chunk) = u;
     }
     float2 a[4] = {swiglu_pair(p, g.x, u.x, w), swiglu_pair(p, g.y, u.y, w), swiglu_pair(p, g.z, u.z, w),
@@ -642,28 +630,22 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
       if (wt % 16 == 0) p.act_scales[size_t(row) * (I / kBlockN) + pend_block] = scale;
     }
   };
-  // a finished up block: staged (beside its gate block), and its unit's passes pending
+  // a finished up block: staged beside its gate block, and its unit's passes pending
   auto stage_up_block = [&](const Tile& t, int up_col) {
-    if constexpr (kGateGlobal) warpgroup_sync(wg);  // the gate block's copy-out has left the buffer
     stage_block(staged_up);
-    warpgroup_sync(wg);  // staged (and the gate rows stored) for every thread's passes
+    warpgroup_sync(wg);  // both blocks staged for every thread's passes
     pend_row0 = t.m0 + wg * 64;
     pend_end = t.m_end;
     pend_col = up_col - p.chunk;
     pend_block = t.block;
     pass = 0;
-    load_pass_inputs();
+    load_pass_weight();
   };
   // a finished gate block: the previous unit's passes done first (they read the buffers)
-  auto stage_gate_block = [&](const Tile& t, int col) {
+  auto stage_gate_block = [&]() {
     while (pass < kPasses) swiglu_pass();
     warpgroup_sync(wg);
     stage_block(staging);
-    if constexpr (kGateGlobal) {
-      warpgroup_sync(wg);
-      copy_out<2 * kBlockN / 16>(staging, reinterpret_cast<uint8_t*>(p.out + col), size_t(p.n) * 2, t.m0 + wg * 64,
-                                 t.m_end, wt);
-    }
   };
 
   if (kStagger && wg == 1 && steps > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
@@ -694,7 +676,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     if constexpr (kDeferred) {
       if (block_done) {
         if (half == 0) stage_up_block(done, done_col);
-        else stage_gate_block(done, done_col);
+        else stage_gate_block();
       }
       if (pass < kPasses && (pass_every_step || (kb & 1))) swiglu_pass();
     } else if (block_done && !(kSwiGLU && half == 0)) {
@@ -703,7 +685,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     warpgroup_wait<0>();
     warpgroup_fence_operand(scratch);
     if (kStagger && wg == 0 && step == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
-    release<kPair>(&s.empty[stage], lane);
+    release<kCluster>(&s.empty[stage], lane);
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
