@@ -98,9 +98,6 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
             ("ours L1 plain single", lambda: ours_l1_plain(1)),
             ("ours L2", l2_ours),
             ("in-place L1+SwiGLU", lambda: fused_l1(8)),
-            ("cluster4 L1+SwiGLU", lambda: fused_l1(16)),
-            ("cluster4 L1 plain", lambda: ours_l1_plain(16)),
-            ("cluster4 L2", lambda: l2_ours(16)),
             ("unstaggered L1+SwiGLU", lambda: fused_l1(4)),
             ("unstaggered L1 plain", lambda: ours_l1_plain(4)),
             ("unstaggered L2", lambda: l2_ours(4)),
@@ -133,10 +130,6 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
         f"| {shape} | {G} | {useful} | {P} | fused, SwiGLU epilogue in place | {t['in-place L1+SwiGLU']:.3f} "
         f"({tf(f1, t['in-place L1+SwiGLU'])}) | - | {t['ours L2']:.3f} | {t['in-place L1+SwiGLU'] + t['ours L2']:.3f} "
         f"| {floor1 + floor2:.3f} | |",
-        f"| {shape} | {G} | {useful} | {P} | fused, 4-CTA clusters | {t['cluster4 L1+SwiGLU']:.3f} "
-        f"({tf(f1, t['cluster4 L1+SwiGLU'])}); plain {t['cluster4 L1 plain']:.3f} "
-        f"({tf(f1, t['cluster4 L1 plain'])}) | - | {t['cluster4 L2']:.3f} ({tf(f2, t['cluster4 L2'])}) "
-        f"| {t['cluster4 L1+SwiGLU'] + t['cluster4 L2']:.3f} | {floor1 + floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | fused, not staggered | {t['unstaggered L1+SwiGLU']:.3f} "
         f"({tf(f1, t['unstaggered L1+SwiGLU'])}); plain {t['unstaggered L1 plain']:.3f} "
         f"({tf(f1, t['unstaggered L1 plain'])}) | - | "

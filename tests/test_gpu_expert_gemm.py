@@ -59,7 +59,7 @@ def rel_err(x, ref):
 @needs_kernel
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152), (512, 384)])
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 16, 18, 20])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
 def test_plain_matches_dequantized_product(sizes, n, k, variant):
     aq, a_s, bq, b_s, ends = make_case(sizes, n, k)
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
@@ -130,9 +130,8 @@ def check_swiglu(sizes, inter, k, chunk, clamp):
         assert rel_err(scales[:live], ref_s) < 1e-5
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
-    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue,
-    # in 4-CTA clusters (where the block count allows)
-    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 18, 20, 24):
+    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue
+    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13):
         again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=variant)
         assert torch.equal(h[:live], again[0][:live]), f"variant {variant}: other pre-activations"
         assert torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8)), f"variant {variant}"
@@ -201,9 +200,9 @@ def test_rejects_bad_operands():
         cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales[:, :1])
     with pytest.raises(ValueError, match="group_ends"):
         cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends.long(), h)
-    for variant in (6, 8, 32, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
+    for variant in (6, 8, 16, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, h, variant)
-    for variant in (10, 14, 26, 32):
+    for variant in (10, 14, 16):
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales, variant)

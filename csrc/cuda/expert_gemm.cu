@@ -79,13 +79,14 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
 
 // expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU
 bool valid_variant(int variant, bool swiglu) {
-  if (variant < 0 || variant > 31 || ((variant & 8) && !swiglu)) return false;
+  if (variant < 0 || variant > 15 || ((variant & 8) && !swiglu)) return false;
   return !((variant & 2) && (variant & 12));
 }
 
+// Clusters of 2 only: 4-CTA clusters sharing A (a quarter each) measured 6-19% slower than
+// pairs in every GEMM of bench_expert_gemm (2026-12-04, docs/decisions.md).
 template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred>
 const char* run_clustered(int cluster, const Params& p, int device, cudaStream_t stream) {
-  if (cluster == 4) return run<kSwiGLU, 4, kStaged, kStagger, kDeferred>(p, device, stream);
   if (cluster == 2) return run<kSwiGLU, 2, kStaged, kStagger, kDeferred>(p, device, stream);
   return run<kSwiGLU, 1, kStaged, kStagger, kDeferred>(p, device, stream);
 }
@@ -99,21 +100,17 @@ const char* launch(const ExpertGemmArgs& a) {
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
   if (!valid_variant(a.variant, kSwiGLU))
-    return kSwiGLU ? "variant must be in [0, 31], bit 1 without bits 2 and 3 (expert_gemm.h)"
-                   : "variant must be in [0, 31] without bit 3, bit 1 without bit 2 (expert_gemm.h)";
+    return kSwiGLU ? "variant must be in [0, 15], bit 1 without bits 2 and 3 (expert_gemm.h)"
+                   : "variant must be in [0, 7], bit 1 without bit 2 (expert_gemm.h)";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
     return "out and act must be 16-byte aligned";
   if (a.pool_rows == 0) return "";
   const int units_per_tile = kSwiGLU ? a.n / (2 * expert_sm90::kBlockN) : a.n / expert_sm90::kBlockN;
-  const int cluster = (a.variant & 1)                                  ? 1
-                      : (a.variant & 16) && units_per_tile % 4 == 0 ? 4
-                      : units_per_tile % 2 == 0                      ? 2
-                                                                     : 1;
+  const int cluster = !(a.variant & 1) && units_per_tile % 2 == 0 ? 2 : 1;
   Params p{};
-  // A's box: a cluster CTA's share of the 128-row tile (without a cluster, two 64-row loads)
-  const uint32_t a_box_rows = expert_sm90::kBlockM / (cluster == 4 ? 4 : 2);
-  if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, a_box_rows); e[0]) return e;
+  // A's box: a pair CTA's half of the 128-row tile (without a pair, two 64-row loads)
+  if (const char* e = encode(&p.tma_a, a.a, a.pool_rows, a.k, expert_sm90::kBlockM / 2); e[0]) return e;
   if (const char* e = encode(&p.tma_b, a.b, int64_t(a.num_groups) * a.n, a.k, expert_sm90::kBlockN); e[0]) return e;
   p.a_scales = a.a_scales;
   p.b_scales = a.b_scales;

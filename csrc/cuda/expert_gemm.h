@@ -38,8 +38,7 @@ struct ExpertGemmArgs {
   // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory);
   // bit 2 set (staged only): the math warpgroups not staggered by a K block;
   // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
-  // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas;
-  // bit 4 set (bit 0 clear): 4-CTA clusters share A where the block count is a multiple of 4
+  // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas
   int variant;
   void* stream;
   int device;

@@ -13,11 +13,11 @@
 //   groups once, in shared memory, and walks the same work list as every other CTA.
 // - Work units are (m tile, 128-wide output block), m-major, so the ~132 units in flight share
 //   two or three experts' weights through L2 and each weight block comes from HBM about once.
-// - With an even number of blocks per m tile, CTAs run in clusters of 2 (or, by variant, 4 where
-//   the count is a multiple of 4) on the same m tile and neighbouring blocks: each CTA loads its
-//   share of the A tile and multicasts it to all, so A's L2 reads drop to a half (a quarter); at
-//   128x128x128 fp8 tiles the L2 -> SM feed, ~11 TB/s at the dense rate, is what limits the main
-//   loop (Nsight Compute: CUTLASS's L1 at S4 runs at 90% of L2 throughput).
+// - With an even number of blocks per m tile, CTAs run in pairs (2-CTA clusters) on the same m
+//   tile and neighbouring blocks: each CTA loads half of the A tile and multicasts it to both, so
+//   A's L2 reads halve; at 128x128x128 fp8 tiles the L2 -> SM feed, ~11 TB/s at the dense rate,
+//   limits the main loop (Nsight Compute: CUTLASS's L1 at S4 runs at 90% of L2 throughput).
+//   The kernel takes clusters of 4 as well (kCluster), but those measured slower than pairs.
 // - Warpgroup 0 is the producer (one thread issues every TMA load); warpgroups 1-2 each compute
 //   64 rows of the 128-row tile with m64n128k32 wgmma. fp8: each 128-deep K block goes into a
 //   scratch accumulator, then is promoted into the fp32 result times A's row scales and B's block
