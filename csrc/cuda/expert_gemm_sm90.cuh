@@ -28,8 +28,10 @@
 //   silu(gate) * up * w_row per 128 columns: one unit's output is exactly one scale block.
 // - kStaged (the default schedule): each math warpgroup walks its output blocks as one stream of
 //   K blocks, and a finished block's epilogue runs after the next block's first wgmmas are issued,
-//   so the tensor cores work through the epilogue (except a SwiGLU up block's, which needs the
-//   registers of the wgmmas in flight and runs just before them). The epilogue goes through shared memory: the
+//   so the tensor cores work through the epilogue. A SwiGLU up block's epilogue is deferred
+//   (kDeferred, the default): staged beside the gate block, then run in passes under the next
+//   unit's wgmmas; in place it needs the registers of the wgmmas in flight and runs just before
+//   them (variant + 8). The epilogue goes through shared memory: the
 //   accumulator fragments (8 rows x 16 bytes per warp store, one L1 wavefront per row) are written
 //   to a padded buffer and copied out as whole 256-byte rows. Without kStaged (the first version,
 //   kept for comparisons) the fragments are stored to global memory directly after each block.
