@@ -6,7 +6,9 @@ ended with the run however it ends, leaving no process and no temporary file beh
   may fork writer processes. Ending a rank's group ends them all, even those whose rank was
   killed and which were handed to init.
 - A rank that fails (raises, or is killed) ends the run: the launcher stops the other ranks'
-  groups at once (SIGTERM, SIGKILL after a grace) and exits with EXIT_RANK_FAILED.
+  groups at once (SIGTERM, SIGKILL after a grace) and exits with EXIT_RANK_FAILED. Its error is
+  the first rank's to fail: a peer blocked in a collective with it fails a moment later (gloo's
+  "connection reset by peer"), and may be seen by the launcher in the same wake-up.
 - SIGINT, SIGTERM or SIGHUP to the launcher stops every rank's group the same way; the launcher
   exits with 128 + the signal number once they have ended. Ranks are not in the launcher's
   process group, so a terminal's Ctrl-C reaches the launcher alone and the ranks stop through it.
@@ -40,7 +42,11 @@ __all__ = ["EXIT_RANK_FAILED", "RunEnd", "run_ranks", "guard_rank", "STOP_SIGNAL
 EXIT_RANK_FAILED = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _GRACE_S = 10.0  # from SIGTERM to SIGKILL when stopping the ranks
+_SETTLE_S = 0.5  # after a first failure, for the rank that caused it to end too
 _ERROR_FILE = "error.txt"  # a failed rank's traceback, in its temporary directory
+# when it failed (CLOCK_MONOTONIC ns, one clock for all processes of the host): file times are
+# too coarse (a kernel tick) to order a failure and the peer failure it causes
+_FAILED_AT_FILE = "failed_at"
 # a Manager's socket, TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, must fit AF_UNIX's 107 bytes; with
 # a longer TMPDIR the ranks keep the default one (and a killed Manager may leave its pymp-* there)
 _MAX_TMP_PATH = 107 - 32
@@ -129,9 +135,13 @@ def _rank_process(rank: int, target: Callable, args: tuple, lock: _InheritedFd |
     try:
         target(rank, *args)
     except BaseException:
+        failed_at = time.monotonic_ns()
         text = traceback.format_exc()
         with open(os.path.join(rank_tmp, _ERROR_FILE), "w") as f:
             f.write(text)
+        with open(os.path.join(rank_tmp, _FAILED_AT_FILE + ".part"), "w") as f:
+            f.write(str(failed_at))
+        os.rename(f.name, os.path.join(rank_tmp, _FAILED_AT_FILE))  # whole once it is there
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_RANK_FAILED)  # the launcher ends this rank's group (and the other ranks)
@@ -209,6 +219,29 @@ class _Ranks:
             time.sleep(0.05)
         return not any(_group_alive(p.pid) for p in self.procs)
 
+    def failed(self) -> list[tuple[int, object]]:
+        """The ranks that have failed: ended with an error, or raised and still ending (their
+        failure time is on record before their sockets close, which is what peers fail on)."""
+        return [
+            (rank, p)
+            for rank, p in enumerate(self.procs)
+            if p.exitcode not in (None, 0) or os.path.exists(os.path.join(self.run_tmp, f"r{rank}", _FAILED_AT_FILE))
+        ]
+
+    def first_failed(self, failed: list[tuple[int, object]]) -> tuple[int, object]:
+        """The failed rank to report: one that died without raising (killed, its peers failing
+        after it) before any that raised, and among those that raised the earliest."""
+
+        def failed_at(item):
+            path = os.path.join(self.run_tmp, f"r{item[0]}", _FAILED_AT_FILE)
+            try:
+                with open(path) as f:
+                    return (1, int(f.read()), item[0])
+            except (OSError, ValueError):
+                return (0, 0, item[0])
+
+        return min(failed, key=failed_at)
+
     def failure(self, p, rank: int) -> str:
         path = os.path.join(self.run_tmp, f"r{rank}", _ERROR_FILE)
         if os.path.isfile(path):
@@ -241,9 +274,12 @@ def run_ranks(target: Callable, world: int, args: tuple, lock_fd: int | None = N
                 # a rank's sentinel is also held by the writers it forks: look at exit codes too
                 connection.wait([p.sentinel for p in ranks.live()] + [signals.read], timeout=1.0)
                 signals.drain()
-                failed = [(rank, p) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                failed = ranks.failed()
                 if failed:
-                    rank, p = failed[0]
+                    # a rank whose failure caused this one may not have ended yet: a moment for it
+                    if ranks.live():
+                        connection.wait([p.sentinel for p in ranks.live()], timeout=_SETTLE_S)
+                    rank, p = ranks.first_failed(ranks.failed())
                     message = ranks.failure(p, rank)
                     ranks.stop(signals)
                     return RunEnd(EXIT_RANK_FAILED, message)
