@@ -86,7 +86,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
 
     # variants (csrc/cuda/expert_gemm.h): 0 the staged schedule with CTA pairs (SwiGLU deferred
     # into passes), 8 its SwiGLU epilogue in place, 1 without pairs, 4 with pairs but the math
-    # warpgroups not staggered, 2 the first schedule with pairs
+    # warpgroups not staggered, 2 the first schedule with pairs; + 16 a tile's dead halves skipped
     t = {
         name: median_ms(fn, iters=20, warmup=3)
         for name, fn in (
@@ -104,6 +104,9 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
             ("first L1+SwiGLU", lambda: fused_l1(2)),
             ("first L1 plain", lambda: ours_l1_plain(2)),
             ("first L2", lambda: l2_ours(2)),
+            ("dead skipped L1+SwiGLU", lambda: fused_l1(16)),
+            ("dead skipped L1 plain", lambda: ours_l1_plain(16)),
+            ("dead skipped L2", lambda: l2_ours(16)),
         )
     }
     f1, f2 = 2.0 * useful * H * 2 * I, 2.0 * useful * I * H
@@ -114,6 +117,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     split, fused = t["split L1"] + t["split SwiGLU"] + t["CUTLASS L2"], t["fused L1+SwiGLU"] + t["ours L2"]
     first = t["first L1+SwiGLU"] + t["first L2"]
     unstaggered = t["unstaggered L1+SwiGLU"] + t["unstaggered L2"]
+    skipped = t["dead skipped L1+SwiGLU"] + t["dead skipped L2"]
 
     def tf(flops, ms):
         return f"{flops / ms / 1e9:.0f}"
@@ -137,6 +141,10 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
         f"| {shape} | {G} | {useful} | {P} | fused, first schedule | {t['first L1+SwiGLU']:.3f} "
         f"({tf(f1, t['first L1+SwiGLU'])}); plain {t['first L1 plain']:.3f} ({tf(f1, t['first L1 plain'])}) | - | "
         f"{t['first L2']:.3f} ({tf(f2, t['first L2'])}) | {first:.3f} | {floor1 + floor2:.3f} | |",
+        f"| {shape} | {G} | {useful} | {P} | fused, dead halves skipped | {t['dead skipped L1+SwiGLU']:.3f} "
+        f"({tf(f1, t['dead skipped L1+SwiGLU'])}); plain {t['dead skipped L1 plain']:.3f} "
+        f"({tf(f1, t['dead skipped L1 plain'])}) | - | "
+        f"{t['dead skipped L2']:.3f} ({tf(f2, t['dead skipped L2'])}) | {skipped:.3f} | {floor1 + floor2:.3f} | |",
     ]
     for line in lines:
         print(line, flush=True)

@@ -59,7 +59,7 @@ def rel_err(x, ref):
 @needs_kernel
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152), (512, 384)])
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 16, 17, 18, 20])
 def test_plain_matches_dequantized_product(sizes, n, k, variant):
     aq, a_s, bq, b_s, ends = make_case(sizes, n, k)
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
@@ -74,7 +74,8 @@ def test_plain_matches_dequantized_product(sizes, n, k, variant):
         cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, cut)
         assert rel_err(out[:live], cut[:live].float()) < 4e-3
     again = torch.full_like(out, float("nan"))
-    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, (variant + 1) % 6)
+    # another variant: the next one, or with dead halves skipped the same one without
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, (variant + 1) % 6 if variant < 16 else variant - 16)
     assert torch.equal(out[:live], again[:live]), "not bitwise repeatable (or the variants differ)"
 
 
@@ -130,8 +131,9 @@ def check_swiglu(sizes, inter, k, chunk, clamp):
         assert rel_err(scales[:live], ref_s) < 1e-5
         close = (act[:live].float() == ref_q.float()).float().mean()
         assert close > 0.99, f"only {close:.4f} of the e4m3 codes match the oracle's quantization"
-    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue
-    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13):
+    # the same bits without pairs, unstaggered, on the first schedule, with the in-place epilogue,
+    # with a tile's dead halves skipped
+    for variant in (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 18, 20, 24):
         again = run_swiglu(aq, a_s, bq, b_s, ends, row_w, chunk, clamp, variant=variant)
         assert torch.equal(h[:live], again[0][:live]), f"variant {variant}: other pre-activations"
         assert torch.equal(act[:live].view(torch.uint8), again[1][:live].view(torch.uint8)), f"variant {variant}"
@@ -200,9 +202,9 @@ def test_rejects_bad_operands():
         cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales[:, :1])
     with pytest.raises(ValueError, match="group_ends"):
         cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends.long(), h)
-    for variant in (6, 8, 16, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
+    for variant in (6, 8, 24, 32, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, h, variant)
-    for variant in (10, 14, 16):
+    for variant in (10, 14, 26, 32):
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales, variant)

@@ -77,9 +77,9 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-// expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU
+// expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU, bit 4 with any
 bool valid_variant(int variant, bool swiglu) {
-  if (variant < 0 || variant > 15 || ((variant & 8) && !swiglu)) return false;
+  if (variant < 0 || variant > 31 || ((variant & 8) && !swiglu)) return false;
   return !((variant & 2) && (variant & 12));
 }
 
@@ -100,8 +100,8 @@ const char* launch(const ExpertGemmArgs& a) {
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
   if (!valid_variant(a.variant, kSwiGLU))
-    return kSwiGLU ? "variant must be in [0, 15], bit 1 without bits 2 and 3 (expert_gemm.h)"
-                   : "variant must be in [0, 7], bit 1 without bit 2 (expert_gemm.h)";
+    return kSwiGLU ? "variant must be in [0, 31], bit 1 without bits 2 and 3 (expert_gemm.h)"
+                   : "variant must be in [0, 31] without bit 3, bit 1 without bit 2 (expert_gemm.h)";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
     return "out and act must be 16-byte aligned";
@@ -126,6 +126,7 @@ const char* launch(const ExpertGemmArgs& a) {
   p.chunk = a.chunk;
   p.clamp = a.clamp;
   p.has_clamp = a.has_clamp ? 1 : 0;
+  p.skip_dead = (a.variant & 16) ? 1 : 0;
 
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   if (a.variant & 2) return run_clustered<kSwiGLU, false, false, false>(cluster, p, a.device, stream);

@@ -38,7 +38,9 @@ struct ExpertGemmArgs {
   // the staged one (epilogue under the next block's wgmmas, rows copied out of shared memory);
   // bit 2 set (staged only): the math warpgroups not staggered by a K block;
   // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
-  // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas
+  // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas;
+  // bit 4 set: a tile's 64-row halves (a pair CTA's shares) wholly past the group's end are not
+  // loaded, and on the staged schedule their math warpgroup issues no wgmma (same bits)
   int variant;
   void* stream;
   int device;

@@ -35,6 +35,12 @@
 //   accumulator fragments (8 rows x 16 bytes per warp store, one L1 wavefront per row) are written
 //   to a padded buffer and copied out as whole 256-byte rows. Without kStaged (the first version,
 //   kept for comparisons) the fragments are stored to global memory directly after each block.
+// - skip_dead: a group's last tile often ends in its first 64 rows (S1: ~192 rows per expert, so
+//   half the experts' second tile). Its dead 64-row share of A is then not loaded (the stage
+//   expects fewer bytes) and, on the staged schedule (but for the in-place SwiGLU epilogue), the
+//   warpgroup of those rows issues no wgmma:
+//   it still waits for each stage and releases it, so the pipeline's phases stay in step, and
+//   promotes a stale scratch into rows nothing stores.
 #pragma once
 
 #include <cuda.h>
@@ -70,7 +76,6 @@ using Element = cutlass::float_e4m3_t;
 using TiledMma = decltype(make_tiled_mma(
     SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockK>>>(),
     Layout<Shape<_2, _1, _1>>{}));
-constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK;
 
 // 32 KB per stage (A and B tiles), beside the math warpgroups' staging buffers (kBuffers of 17 KB:
 // none for the first schedule, one each for the staged schedule, two each, a unit's gate and up
@@ -108,6 +113,7 @@ struct Params {
   int chunk;                   // SwiGLU: gate/up interleave of B's rows (and of out's columns)
   float clamp;
   int has_clamp;
+  int skip_dead;               // a tile's rows past its group's end: no A load, no wgmma (see below)
 };
 
 // The unit's m tile: its group, first row and the group's row end.
@@ -275,21 +281,31 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       for (int unit = first_unit; unit < total_units; unit += unit_stride) {
         Tile tile = decode(s, G, units_per_tile, unit);
         int row0 = kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN;
+        // the A rows this stage receives: every CTA of a cluster counts the same live shares
+        // (the A descriptor's box is a share, expert_gemm.cu; without a cluster two 64-row loads)
+        constexpr int kShareRows = kCluster > 1 ? kBlockM / kCluster : 64;
+        int a_rows = kBlockM;
+        if (p.skip_dead) a_rows = min(kBlockM, (tile.m_end - tile.m0 + kShareRows - 1) / kShareRows * kShareRows);
+        const bool share_live = cta * kShareRows < a_rows;
 #pragma unroll 1
         for (int half = 0; half < (kSwiGLU ? 2 : 1); ++half) {
           int b_row = tile.group * p.n + row0 + half * p.chunk;
 #pragma unroll 1
           for (int kb = 0; kb < KB; ++kb) {
             cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase ^ 1);
-            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytes);
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage],
+                                                                            kBlockN * kBlockK + a_rows * kBlockK);
             Element* a_stage = s.a.data() + stage * kBlockM * kBlockK;
             if constexpr (kCluster > 1) {  // this CTA's share of the rows, into every CTA of the cluster
-              constexpr int kRows = kBlockM / kCluster;  // the A descriptor's box (expert_gemm.cu)
-              SM90_TMA_LOAD_MULTICAST_2D::copy(&p.tma_a, &s.full[stage], (1u << kCluster) - 1, 0,
-                                               a_stage + cta * kRows * kBlockK, kb * kBlockK, tile.m0 + cta * kRows);
+              if (share_live)
+                SM90_TMA_LOAD_MULTICAST_2D::copy(&p.tma_a, &s.full[stage], (1u << kCluster) - 1, 0,
+                                                 a_stage + cta * kShareRows * kBlockK, kb * kBlockK,
+                                                 tile.m0 + cta * kShareRows);
             } else {
               SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage, kb * kBlockK, tile.m0);
-              SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + 64 * kBlockK, kb * kBlockK, tile.m0 + 64);
+              if (a_rows == kBlockM)
+                SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + 64 * kBlockK, kb * kBlockK,
+                                       tile.m0 + 64);
             }
             SM90_TMA_LOAD_2D::copy(&p.tma_b, &s.full[stage], 0, s.b.data() + stage * kBlockN * kBlockK, kb * kBlockK,
                                    b_row);
@@ -326,11 +342,12 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
 }
 
 // Once the stage's loads have landed: one 128-deep K block's wgmmas into scratch (overwritten),
-// committed as one batch, not waited for.
+// committed as one batch, not waited for; none where the warpgroup's rows are dead (skip_dead).
 template <class Mma, class FragA, class FragB, class Accum>
 __device__ __forceinline__ void issue_k_block(Mma& mma, FragA& tCrA, FragB& tCrB, Accum& scratch, uint64_t* full,
-                                              uint32_t phase, int stage) {
+                                              uint32_t phase, int stage, bool dead = false) {
   cutlass::arch::ClusterTransactionBarrier::wait(full, phase);
+  if (dead) return;
   warpgroup_fence_operand(scratch);
   warpgroup_arrive();
   mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -674,7 +691,11 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     if (!kDeferred && kSwiGLU && block_done && half == 0) epilogue(done, done_col, true);
     const float sb = __ldg(b_scale + kb);
     const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
-    issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage);
+    // dead: this warpgroup's 64 rows of the tile all past its group's end (uniform over the
+    // warpgroup; from the tile's live registers, not one more held across the step). Not with
+    // the in-place SwiGLU epilogue: the branch makes it spill (72 bytes against 4).
+    issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage,
+                  (kDeferred || !kSwiGLU) && p.skip_dead && tile.m0 + wg * 64 >= tile.m_end);
     if constexpr (kDeferred) {
       if (block_done) {
         if (half == 0) stage_up_block(done, done_col);

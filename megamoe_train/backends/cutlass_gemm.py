@@ -419,7 +419,9 @@ def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int = 0)
     and each block's epilogue runs under the next block's wgmmas, staged in shared memory, with the
     two math warpgroups a K block apart; 1 the same without pairs; 4 and 5 those two without the
     stagger; 2 and 3 the first schedule (epilogue stored from the fragments, no wgmma in flight)
-    with and without pairs, kept for comparisons. out must be 16-byte aligned. Returns out."""
+    with and without pairs, kept for comparisons; + 16 (16-21) each of them with a tile's 64-row
+    halves that lie wholly past their group's end neither loaded nor (staged) multiplied. out must
+    be 16-byte aligned. Returns out."""
     fn = "fp8_expert_gemm"
     P, K, G, N, dev = _fp8_expert_operands(
         fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0
@@ -450,8 +452,8 @@ def fp8_expert_gemm_swiglu(
     [P, I] with act_scales fp32 [P, I/128] (one per 1x128 block), for every row of every group.
     variant as fp8_expert_gemm's, where on the staged schedule (0, 1, 4, 5) the SwiGLU epilogue
     runs from the unit's staged gate and up blocks in passes under the next unit's wgmmas; + 8
-    (8, 9, 12, 13) runs it in place at the up block's end instead, kept for comparisons; all give
-    the same bits. Returns (pre_act,
+    (8, 9, 12, 13) runs it in place at the up block's end instead, kept for comparisons; + 16 skips
+    dead halves as in fp8_expert_gemm; all give the same bits. Returns (pre_act,
     act, act_scales)."""
     fn = "fp8_expert_gemm_swiglu"
     N2 = b.shape[1] if b.dim() == 3 else 0
