@@ -375,3 +375,89 @@ def dequantize_weight(data: torch.Tensor, scales: torch.Tensor | None, recipe: P
     scale = _decode_scales(scales, recipe.scale_format)
     blocks = _split(values, rows, cols) * scale.unsqueeze(-1).unsqueeze(-3)
     return blocks.flatten(-2).flatten(-3, -2)
+
+
+# ----------------------------------------------------------------------------- MX operands of fp8 MMA
+#
+# Hopper has no block-scaled MMA: its fp8 GEMMs apply one fp32 scale per 128-deep K block of
+# each operand row (activations) or 128 x 128 block (weights). The mxfp8_mxfp4 recipe's 1 x 32
+# power-of-two scales are folded into the elements for them: within a fold block, every element
+# is re-expressed against the block's largest 1 x 32 scale 2^B, i.e. multiplied by 2^(b - B) (b its
+# own 1 x 32 exponent) and rounded to e4m3, and the block's scale is 2^B. A power-of-two factor
+# only moves the exponent, so the dequantized value is unchanged wherever the product stays on
+# e4m3's grid; only elements that land below it round (to e4m3's subnormal steps, 2^-9 * 2^B):
+# - weights (E2M1, magnitudes 0.5 to 6 of 2^b): exact while B - b <= 8;
+# - activations (E4M3, 3 mantissa bits): exact while the product is a normal e4m3 number,
+#   at least 2^-6 * 2^B, about 2^-14 of the block's largest element or more.
+# A NaN 1 x 32 scale (a block that held NaN or Inf) makes its whole fold block NaN.
+
+MX_FOLD_BLOCK = 128
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as float32 for integer exponents in [-126, 127], from the bits (exact)."""
+    return ((exponent.to(torch.int32) + _UE8M0_BIAS) << 23).view(torch.float32)
+
+
+def _fold(values: torch.Tensor, exponents: torch.Tensor, nan: torch.Tensor, block_max: torch.Tensor, nan_block):
+    """values [..., 32-blocks, 32] (fp32, each block's own scale divided out) -> e4m3 values against
+    block_max (broadcast to the 32-blocks), NaN where nan_block."""
+    # below 2^-30 every element rounds to 0 on e4m3's grid (its smallest step is 2^-9): clamping
+    # the shift there keeps 2**shift a normal float32
+    shift = (exponents - block_max).clamp_min(-30)
+    folded = values * _pow2(shift).unsqueeze(-1)
+    folded = torch.where(nan_block.unsqueeze(-1), torch.full_like(folded, float("nan")), folded)
+    return folded.to(torch.float8_e4m3fn)
+
+
+def _fold_scales(block_max: torch.Tensor, nan_block: torch.Tensor) -> torch.Tensor:
+    scale = ue8m0_to_float((block_max + _UE8M0_BIAS).to(torch.uint8))
+    return torch.where(nan_block, torch.full_like(scale, float("nan")), scale)
+
+
+def fold_mx_act(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 rows (e4m3 [..., K], ue8m0 1 x 32 scales [..., K/32]) -> the fp8 GEMMs' operand:
+    e4m3 [..., K] and fp32 power-of-two scales [..., K/128], one per 1 x 128 fold block (the
+    section comment above)."""
+    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
+        raise ValueError(f"fold_mx_act: expected e4m3 data and uint8 scales, got {data.dtype} and {scales.dtype}")
+    k = data.shape[-1]
+    _check_last_dim("fold_mx_act", k, MX_FOLD_BLOCK, "fold")
+    if tuple(scales.shape) != (*data.shape[:-1], k // 32):
+        raise ValueError(f"fold_mx_act: scales must have shape {[*data.shape[:-1], k // 32]}, got {list(scales.shape)}")
+    exponents = scales.to(torch.int32) - _UE8M0_BIAS  # [..., K/32]
+    nan = scales == 255
+    groups = exponents.unflatten(-1, (-1, 4))
+    block_max = groups.amax(dim=-1)  # [..., K/128]
+    nan_block = nan.unflatten(-1, (-1, 4)).any(dim=-1)
+    values = data.float().unflatten(-1, (-1, 32))  # [..., K/32, 32]
+    folded = _fold(
+        values, exponents, nan, block_max.repeat_interleave(4, dim=-1), nan_block.repeat_interleave(4, dim=-1)
+    )
+    return folded.flatten(-2), _fold_scales(block_max, nan_block)
+
+
+def fold_mx_weight(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weights (packed E2M1 [..., N, K/2], ue8m0 1 x 32 scales [..., N, K/32]) -> the fp8
+    GEMMs' operand: e4m3 [..., N, K] and fp32 power-of-two scales [..., N/128, K/128], one per
+    128 x 128 fold block (the section comment above)."""
+    if data.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"fold_mx_weight: expected uint8 data and scales, got {data.dtype} and {scales.dtype}")
+    n, k = data.shape[-2], 2 * data.shape[-1]
+    if n % MX_FOLD_BLOCK or k % MX_FOLD_BLOCK:
+        raise ValueError(f"fold_mx_weight: N={n} and K={k} must be multiples of {MX_FOLD_BLOCK}")
+    if tuple(scales.shape) != (*data.shape[:-1], k // 32):
+        raise ValueError(
+            f"fold_mx_weight: scales must have shape {[*data.shape[:-1], k // 32]}, got {list(scales.shape)}"
+        )
+    exponents = scales.to(torch.int32) - _UE8M0_BIAS  # [..., N, K/32]
+    nan = scales == 255
+    # [..., N/128, 128, K/128, 4] -> the fold block's largest exponent [..., N/128, K/128]
+    split = exponents.unflatten(-1, (-1, 4)).unflatten(-3, (-1, MX_FOLD_BLOCK))
+    block_max = split.amax(dim=(-3, -1))
+    nan_block = nan.unflatten(-1, (-1, 4)).unflatten(-3, (-1, MX_FOLD_BLOCK)).any(dim=-1).any(dim=-2)
+    per_row = block_max.repeat_interleave(MX_FOLD_BLOCK, dim=-2).repeat_interleave(4, dim=-1)  # [..., N, K/32]
+    nan_row = nan_block.repeat_interleave(MX_FOLD_BLOCK, dim=-2).repeat_interleave(4, dim=-1)
+    values = _e2m1_decode(unpack_fp4(data)).unflatten(-1, (-1, 32))  # [..., N, K/32, 32]
+    folded = _fold(values, exponents, nan, per_row, nan_row)
+    return folded.flatten(-2), _fold_scales(block_max, nan_block)
