@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["EXIT_RANK_FAILED", "RunEnd", "run_ranks", "guard_rank", "STOP_SIGNALS"]
+__all__ = ["EXIT_RANK_FAILED", "RunEnd", "run_ranks", "guard_rank", "end_groups", "STOP_SIGNALS"]
 
 EXIT_RANK_FAILED = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -100,6 +100,24 @@ def _group_alive(pgid: int) -> bool:
         except (OSError, psutil.Error):
             continue
     return False
+
+
+def end_groups(procs: list, timeout: float = 60.0) -> bool:
+    """SIGKILL to the group of each started process in `procs` (led by it once it ran
+    `guard_rank`: whatever is left of it, its Managers and writers included) and to the process
+    itself (in case it had not made its group yet); wait for the processes, then until the groups
+    are empty, `timeout` seconds at most. Returns whether they are."""
+    procs = [p for p in procs if p.pid is not None]
+    for p in procs:
+        _end_group(p.pid, signal.SIGKILL)
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join()
+    deadline = time.monotonic() + timeout  # killed processes handed to init end within moments
+    while any(_group_alive(p.pid) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_group_alive(p.pid) for p in procs)
 
 
 def guard_rank(rank_tmp: str):
@@ -208,16 +226,7 @@ class _Ranks:
     def kill_all(self):
         """SIGKILL to every rank's group (whatever is left of it: the ranks' Managers and writers),
         then wait until the groups are empty."""
-        for p in self.procs:
-            _end_group(p.pid, signal.SIGKILL)
-            if p.exitcode is None:
-                p.kill()
-        for p in self.procs:
-            p.join()
-        deadline = time.monotonic() + 60  # killed processes handed to init end within moments
-        while any(_group_alive(p.pid) for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not any(_group_alive(p.pid) for p in self.procs)
+        return end_groups(self.procs)
 
     def failed(self) -> list[tuple[int, object]]:
         """The ranks that have failed: ended with an error, or raised and still ending (their

@@ -4,17 +4,26 @@ functions on every rank. Starting processes is the slow part, so one pool serves
 Results are waited for as long as the ranks live (`next_result`), not for a fixed time: a
 busy machine only makes the ranks slower, a rank that dies fails the run as soon as the others
 have answered (or had a short grace: they may wait for it forever), and a test that hangs is
-ended by pytest-timeout (pyproject.toml)."""
+ended by pytest-timeout (pyproject.toml).
+
+Each rank leads a process group of its own, as the launcher's ranks do (megamoe_trainer.supervisor):
+ending the pool ends every process a rank started (Megatron's checkpoint Manager, a forked writer),
+also those whose rank died, and a rank ends its group when the test process is gone."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
+import shutil
+import tempfile
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
 
 from megamoe_train.launch import free_port
+from megamoe_trainer.supervisor import end_groups
 
 STOP = "stop"
 _POLL_S = 1.0  # how often a wait for results looks at the processes
@@ -50,7 +59,10 @@ def next_result(results, procs, what: str, timeout: float | None = None, dead: f
             raise TimeoutError(f"{what}: ranks did not finish within {timeout}s")
 
 
-def _worker(rank, world_size, port, backend, tasks, results):
+def _worker(rank, world_size, port, backend, tasks, results, rank_tmp):
+    from megamoe_trainer.supervisor import guard_rank
+
+    guard_rank(rank_tmp)  # first: the group the pool ends holds all this rank starts
     import torch
 
     from megamoe_train.launch import init_rank
@@ -79,11 +91,20 @@ class RankPool:
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
+        self.tmp = tempfile.mkdtemp(prefix="rank-pool-")  # the ranks' TMPDIR (guard_rank)
+        self.closed = False
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results), daemon=daemon)
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, backend, self.tasks[r], self.results, os.path.join(self.tmp, f"r{r}")),
+                daemon=daemon,
+            )
             for r in range(world_size)
         ]
+        # before multiprocessing's own exit handler (atexit runs the latest first), which would
+        # wait forever for non-daemonic ranks of a pool nobody closed
+        atexit.register(self.close, force=True)
         for p in self.procs:
             p.start()
 
@@ -122,15 +143,20 @@ class RankPool:
         return out
 
     def close(self, force: bool = False):
+        """End the ranks (force: at once, else once they have stopped, 30 s at most) and their
+        process groups. Once only: a rank's pid may lead another pool's group later."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
         if not force:
             for q in self.tasks:
                 q.put(STOP)
             for p in self.procs:
                 p.join(timeout=30)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        if not end_groups(self.procs):  # a warning: close() also runs while a failure is being raised
+            warnings.warn("rank pool: processes of its ranks' groups outlived SIGKILL", RuntimeWarning, stacklevel=2)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
