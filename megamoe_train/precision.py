@@ -64,6 +64,17 @@ class PrecisionRecipe:
         return self.act_format != "native"
 
     @property
+    def mx(self) -> bool:
+        """Power-of-two 1 x 32 scales (the MX recipe): Hopper's fp8 GEMMs, which apply one scale
+        per 128-deep K block, read its operands folded into 1 x 128 (activations) and 128 x 128
+        (weights) blocks (quant.fold_mx_act, fold_mx_weight)."""
+        return self.scale_format == "ue8m0"
+
+    def mma_scale_cols(self, width: int) -> int:
+        """Scales per row of a quantized activation of `width` columns as the GPU GEMMs read it."""
+        return width // (128 if self.mx else self.act_block)
+
+    @property
     def quantized_dgrad(self) -> bool:
         """Whether backward's dgrad GEMMs take quantized gradients (and transposed quantized weights)."""
         return self.grad_format != "native"
@@ -98,8 +109,10 @@ RECIPES: dict[str, PrecisionRecipe] = {
     "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
 }
 
-# the recipes the GPU executor (backends/triton_backend.py) runs; the others run the reference on a GPU
-GPU_EXECUTOR_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad")
+# the recipes the GPU executor (backends/triton_backend.py) runs; the others run the reference on a GPU.
+# mxfp8_mxfp4 runs on the fp8 GEMMs with its operands folded (quant.fold_mx_*): the E2M1 weights
+# expanded to e4m3 in HBM once per weight update, not yet inside the GEMM.
+GPU_EXECUTOR_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4")
 
 
 def get_recipe(name: str) -> PrecisionRecipe:

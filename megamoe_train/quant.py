@@ -461,3 +461,27 @@ def fold_mx_weight(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     values = _e2m1_decode(unpack_fp4(data)).unflatten(-1, (-1, 32))  # [..., N, K/32, 32]
     folded = _fold(values, exponents, nan, per_row, nan_row)
     return folded.flatten(-2), _fold_scales(block_max, nan_block)
+
+
+MX_SHIFT_MAX = 15  # a 1 x 32 block this many binades or more below its fold block's largest: all e4m3 zeros
+
+
+def mx_weight_shifts(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ue8m0 1 x 32 weight scales [..., N, K/32] -> what the expert GEMM that expands E2M1 in
+    shared memory reads beside the packed weights: shifts uint8 [..., N/128, K/128, 128, 4], each
+    row's four 1 x 32 blocks' B - b in its 128 x 128 fold block (B the block's largest exponent,
+    clamped at MX_SHIFT_MAX: from 13 on every E2M1 magnitude times 2^-shift rounds to e4m3 zero),
+    contiguous per (row block, K block); and fold_mx_weight's scales fp32 [..., N/128, K/128].
+    Expanding element code c of a block with shift d to e4m3(E2M1_VALUES[c] * 2^-d) gives
+    fold_mx_weight's e4m3 data."""
+    if scales.dtype != torch.uint8 or scales.dim() < 2:
+        raise ValueError(f"mx_weight_shifts: expected uint8 scales [..., N, K/32], got {scales.dtype}")
+    n, k = scales.shape[-2], 32 * scales.shape[-1]
+    if n % MX_FOLD_BLOCK or k % MX_FOLD_BLOCK:
+        raise ValueError(f"mx_weight_shifts: N={n} and K={k} must be multiples of {MX_FOLD_BLOCK}")
+    exponents = scales.to(torch.int32) - _UE8M0_BIAS
+    split = exponents.unflatten(-1, (-1, 4)).unflatten(-3, (-1, MX_FOLD_BLOCK))  # [..., N/128, 128, K/128, 4]
+    block_max = split.amax(dim=(-3, -1))
+    nan_block = (scales == 255).unflatten(-1, (-1, 4)).unflatten(-3, (-1, MX_FOLD_BLOCK)).any(dim=-1).any(dim=-2)
+    shifts = (block_max.unsqueeze(-2).unsqueeze(-1) - split).clamp(0, MX_SHIFT_MAX).to(torch.uint8)
+    return shifts.transpose(-3, -2).contiguous(), _fold_scales(block_max, nan_block)

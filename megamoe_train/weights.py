@@ -18,11 +18,14 @@ quant.py do, with the same bits. The kernels are a backend's (backends/triton_we
 the backends package supplies them here (supply_weight_kernels), so this module imports none.
 
 mxfp8_mxfp4 (E2M1 weights, ue8m0 scales in 1 x 32 blocks) is quantized on CUDA by that module's
-E2M1 kernel too, one pass per weight, cached like fp8. No GEMM reads E2M1 weights yet (the reference
-executor dequantizes them), so their layout is quant.py's: quantize_weight's packed bytes and
-scales, rows interleaved in chunks of gate_up_chunk (8) like fp8's. The recipe's dgrad reads the
-dequantized compute copies, so the kernel's transposed copy (blocked along N, a quantization of
-its own) is not kept.
+E2M1 kernel too, one pass per weight, cached like fp8. Its layout is quant.py's: quantize_weight's
+packed bytes and scales, rows interleaved in chunks of gate_up_chunk (8) like fp8's. The GPU
+executor's expert GEMM reads them as stored and expands them to e4m3 in shared memory, with the
+shifts and block scales of mx_gemm_operands (quant.mx_weight_shifts, a few bytes per 32
+weights); where that kernel is not built its CUTLASS fp8 GEMMs read them folded to e4m3 with
+128 x 128 power-of-two scales (mma_operands, quant.fold_mx_weight; made once per weight version,
+twice E2M1's bytes). The reference executor dequantizes them. The recipe's dgrad reads the dequantized compute copies,
+so the kernel's transposed copy (blocked along N, a quantization of its own) is not kept.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MegaMoEConfig
 from .precision import PrecisionRecipe, get_recipe
-from .quant import dequantize_weight, quantize_weight
+from .quant import dequantize_weight, fold_mx_weight, mx_weight_shifts, quantize_weight
 
 
 def _gate_up_dims(t: torch.Tensor, chunk: int, dim: int) -> tuple[int, int]:
@@ -105,6 +108,38 @@ class ExpertWeights:
     def quantized(self) -> bool:
         return self.w1_scales is not None
 
+    def mma_operands(
+        self, *, use_kernel: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(w1, w1_scales, w2, w2_scales) as the GPU executor's GEMMs read them: the stored weights,
+        or for the MX recipe (precision.PrecisionRecipe.mx) those folded to e4m3 with fp32
+        power-of-two 128 x 128 block scales (quant.fold_mx_weight; w1 still interleaved), made once
+        per weight version (this object lives as long as its cache entry). On CUDA one Triton
+        kernel per weight (use_kernel as in quantize_expert_weights; the same bits)."""
+        if not get_recipe(self.recipe).mx:
+            return self.w1, self.w1_scales, self.w2, self.w2_scales
+        cached = self.__dict__.get("_mma_operands")
+        if cached is None:
+            cached = self._folded(use_kernel)
+            self.__dict__["_mma_operands"] = cached
+        return cached
+
+    def _folded(self, use_kernel: bool | None):
+        kernels = _prep_kernels(self.w1.device, use_kernel)
+        fold = kernels.fold_e2m1_blocks if kernels is not None else fold_mx_weight
+        return (*fold(self.w1, self.w1_scales), *fold(self.w2, self.w2_scales))
+
+    def mx_gemm_operands(self) -> tuple[torch.Tensor, ...]:
+        """The MX recipe's weights as the expert GEMM that expands E2M1 in shared memory reads them
+        (cutlass_gemm.fp8_expert_gemm_mx): (w1 packed, w1 shifts, w1 block scales, w2 packed, w2
+        shifts, w2 block scales), the shifts and scales quant.mx_weight_shifts' of the stored
+        scales, made once per weight version."""
+        cached = self.__dict__.get("_mx_gemm_operands")
+        if cached is None:
+            cached = (self.w1, *mx_weight_shifts(self.w1_scales), self.w2, *mx_weight_shifts(self.w2_scales))
+            self.__dict__["_mx_gemm_operands"] = cached
+        return cached
+
     def compute_copies(
         self, dtype: torch.dtype, *, use_kernel: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,13 +158,21 @@ class ExpertWeights:
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
             recipe = get_recipe(self.recipe)
-            # The dequantize kernel is fp8's only: E2M1 weights take the torch ops.
-            fp8 = _kernel_format(recipe) == "e4m3"
-            kernels = _prep_kernels(self.w1.device, use_kernel) if fp8 else None
-            if kernels is not None and dtype in kernels.master_dtypes(self.w1.device):
+            # The dequantize kernel reads e4m3 in 128 x 128 blocks: fp8's weights, or the MX
+            # recipe's folded ones (their values are the E2M1 weights' wherever the fold is exact,
+            # quant.py's MX section), deinterleaved after (chunks of 8 rows split its blocks).
+            kernel_format = _kernel_format(recipe)
+            kernels = _prep_kernels(self.w1.device, use_kernel) if kernel_format else None
+            if kernels is not None and dtype in kernels.master_dtypes(self.w1.device) and kernel_format == "e4m3":
                 block = recipe.weight_block
                 w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
                 w2 = kernels.dequantize_blocks(self.w2, self.w2_scales, dtype, block)
+            elif kernels is not None and dtype in kernels.master_dtypes(self.w1.device) and recipe.mx:
+                # folded for this only, not kept: the expert GEMM reads the packed weights
+                w1_f, w1_fs, w2_f, w2_fs = self._folded(use_kernel)
+                block = (128, 128)
+                w1 = deinterleave_gate_up(kernels.dequantize_blocks(w1_f, w1_fs, dtype, block), self.chunk)
+                w2 = kernels.dequantize_blocks(w2_f, w2_fs, dtype, block)
             else:
                 w1 = deinterleave_gate_up(self.dequantize_w1(), self.chunk).to(dtype)
                 w2 = self.dequantize_w2().to(dtype)
@@ -172,6 +215,8 @@ class WeightKernels(Protocol):
         block: tuple[int, int],
         chunk: int | None = None,
     ) -> torch.Tensor: ...
+
+    def fold_e2m1_blocks(self, data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 _load_kernels: Callable[[], WeightKernels] | None = None

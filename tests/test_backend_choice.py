@@ -27,9 +27,15 @@ def hopper(monkeypatch):
     monkeypatch.setattr(B, "_triton_executor", lambda: SimpleNamespace(name="triton"))
 
 
-def config(recipe="fp8", hidden=256, intermediate=384):
+def config(recipe="fp8", hidden=256, intermediate=384, dtype=torch.bfloat16):
     return MegaMoEConfig(
-        num_experts=8, hidden=hidden, intermediate=intermediate, topk=2, num_max_tokens_per_rank=16, recipe=recipe
+        num_experts=8,
+        hidden=hidden,
+        intermediate=intermediate,
+        topk=2,
+        num_max_tokens_per_rank=16,
+        recipe=recipe,
+        dtype=dtype,
     )
 
 
@@ -37,7 +43,7 @@ def buffer(cfg, device=CUDA):
     return SimpleNamespace(config=cfg, device=device)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_e4m3_wgrad"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4"])
 def test_gpu_recipes_run_the_gpu_executor(hopper, recipe):
     cfg = config(recipe)
     assert B.executor_choice("auto", cfg, CUDA) == ("triton", None)
@@ -46,17 +52,20 @@ def test_gpu_recipes_run_the_gpu_executor(hopper, recipe):
         assert B.resolve_backend("auto", buffer(cfg)).name == "triton"
 
 
+FP32 = torch.float32  # a compute dtype the GPU executor's kernels do not take
+
+
 def test_auto_warns_once_per_recipe_and_shape_and_names_the_reason(hopper):
-    cfg = config("mxfp8_mxfp4")
+    cfg = config("fp8", dtype=FP32)
     executor, reason = B.executor_choice("auto", cfg, CUDA)
-    assert executor == "reference" and "mxfp8_mxfp4" in reason and "no GPU kernels" in reason
-    with pytest.warns(MegaMoESlowPathWarning, match=r"mxfp8_mxfp4.*hidden 256, intermediate 384.*reference"):
+    assert executor == "reference" and "float32" in reason and "bf16" in reason
+    with pytest.warns(MegaMoESlowPathWarning, match=r"'fp8'.*hidden 256, intermediate 384.*reference"):
         assert B.resolve_backend("auto", buffer(cfg)).name == "reference"
     with warnings.catch_warnings():  # the same recipe, shape and reason again: silent
         warnings.simplefilter("error")
         B.resolve_backend("auto", buffer(cfg))
     with pytest.warns(MegaMoESlowPathWarning, match="intermediate 512"):  # another shape warns again
-        B.resolve_backend("auto", buffer(config("mxfp8_mxfp4", intermediate=512)))
+        B.resolve_backend("auto", buffer(config("fp8", intermediate=512, dtype=FP32)))
 
 
 def test_auto_warns_for_a_shape_the_kernels_cannot_tile(hopper):
@@ -72,8 +81,8 @@ def test_auto_warns_below_hopper(monkeypatch, hopper):
 
 
 def test_triton_raises_where_it_cannot_run(hopper):
-    with pytest.raises(ValueError, match=r"'triton' cannot run recipe 'mxfp8_mxfp4'.*no GPU kernels"):
-        B.resolve_backend("triton", buffer(config("mxfp8_mxfp4")))
+    with pytest.raises(ValueError, match=r"'triton' cannot run recipe 'bf16'.*float32"):
+        B.resolve_backend("triton", buffer(config("bf16", dtype=FP32)))
 
 
 def test_cpu_runs_the_reference_without_a_warning():

@@ -208,3 +208,68 @@ def test_rejects_bad_operands():
     for variant in (10, 14, 26, 32):
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales, variant)
+
+
+# ----------------------------------------------------------------------------- E2M1 weights
+
+needs_mx_kernel = pytest.mark.skipif(
+    not torch.cuda.is_available() or not cutlass_gemm.has_expert_gemm_mx(torch.device("cuda", 0)),
+    reason="needs an sm_90 GPU and megamoe_train._cuda with the E2M1 expert GEMM",
+)
+MX = get_recipe("mxfp8_mxfp4")
+
+
+def mx_weights(groups, n, k, seed):
+    """MX-quantized weights whose 1x32 scales spread over ~12 binades per 128x128 block (rows and
+    32-blocks scaled apart), so the expansion's shifts run from 0 past the clamp."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(groups, n, k, device="cuda", generator=gen) * k**-0.5
+    w *= torch.exp2(torch.randint(-6, 3, (groups, n, 1), device="cuda", generator=gen).float())
+    w *= torch.exp2(torch.randint(-3, 3, (groups, 1, k // 32), device="cuda", generator=gen).float()).repeat_interleave(
+        32, -1
+    )
+    return quantize_weight(w, MX)
+
+
+@needs_mx_kernel
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152)])
+@pytest.mark.parametrize("variant", [0, 1, 4, 5, 16])
+def test_mx_expands_to_the_folded_weights_bit_for_bit(sizes, n, k, variant):
+    """fp8_expert_gemm_mx (E2M1 expanded in shared memory) == fp8_expert_gemm on
+    quant.fold_mx_weight's e4m3 weights: the same products in the same order, so the same bits;
+    rows past the groups stay poisoned."""
+    from megamoe_train.quant import fold_mx_weight, mx_weight_shifts
+
+    aq, a_s, _, _, ends = make_case(sizes, n, k, seed=n + k)
+    packed, scales = mx_weights(len(sizes), n, k, seed=n * k)
+    folded, folded_scales = fold_mx_weight(packed, scales)
+    shifts, block_scales = mx_weight_shifts(scales)
+    assert torch.equal(block_scales, folded_scales)
+    out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
+    cutlass_gemm.fp8_expert_gemm_mx(aq, a_s, packed, shifts, block_scales, ends, out, variant)
+    ref = torch.full_like(out, float("nan"))
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, folded, folded_scales, ends, ref, variant)
+    live = int(ends[-1])
+    assert torch.isnan(out[live:]).all(), "rows past the last group were written"
+    assert not torch.isnan(out[:live]).any(), "rows of a group were left unwritten"
+    assert torch.equal(out[:live], ref[:live]), "not the folded weights' product"
+    if live:
+        want = product(aq, a_s, folded, folded_scales, ends)[:live]
+        assert rel_err(out[:live], want) < 4e-3
+
+
+@needs_mx_kernel
+def test_mx_refuses_the_first_schedule_and_bad_operands():
+    aq, a_s, _, _, ends = make_case([100, 60], 256, 256)
+    packed, scales = mx_weights(2, 256, 256, seed=3)
+    from megamoe_train.quant import mx_weight_shifts
+
+    shifts, block_scales = mx_weight_shifts(scales)
+    out = torch.empty(aq.shape[0], 256, dtype=torch.bfloat16, device=aq.device)
+    with pytest.raises(RuntimeError, match="staged schedule"):
+        cutlass_gemm.fp8_expert_gemm_mx(aq, a_s, packed, shifts, block_scales, ends, out, 2)
+    with pytest.raises(ValueError, match="b_shifts"):
+        cutlass_gemm.fp8_expert_gemm_mx(aq, a_s, packed, shifts[:, :, :, :64], block_scales, ends, out)
+    with pytest.raises(ValueError, match="b must be"):
+        cutlass_gemm.fp8_expert_gemm_mx(aq, a_s, packed.view(torch.int8), shifts, block_scales, ends, out)

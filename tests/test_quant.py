@@ -429,3 +429,62 @@ def test_tokens_t_native_and_errors():
         dequantize_tokens_t(data, scales[:, :1], FP8_WGRAD)
     with pytest.raises(ValueError, match="a quantized wgrad needs activation blocks"):
         RECIPES["fp8"].__class__("bad", "native", 0, "native", (0, 0), "none", 8, wgrad_format="e4m3")
+
+
+def test_mx_weight_shifts_expand_to_fold_mx_weight():
+    """The shared-memory expansion (a table per shift: E2M1 magnitude times 2^-shift as e4m3, the
+    code's sign on top) of mx_weight_shifts' shifts gives fold_mx_weight's bits, also where 1x32
+    scales lie more binades apart than e4m3 holds exactly (clamped shifts, rounded and zero
+    elements), and the two give the same block scales."""
+    from megamoe_train.quant import fold_mx_weight, mx_weight_shifts
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(2, 256, 384, generator=gen)
+    w *= torch.exp2(torch.randint(-9, 6, (2, 256, 1), generator=gen).float())
+    w *= torch.exp2(torch.randint(-4, 4, (2, 1, 12), generator=gen).float()).repeat_interleave(32, -1)
+    w[0, 5, :32] = 0.0  # an all-zero 1x32 block
+    data, scales = quantize_weight(w, MX)
+    folded, folded_scales = fold_mx_weight(data, scales)
+    shifts, block_scales = mx_weight_shifts(scales)
+    assert shifts.shape == (2, 2, 3, 128, 4) and int(shifts.max()) == 15
+    assert torch.equal(block_scales, folded_scales)
+    table = torch.stack(
+        [(torch.tensor(E2M1_VALUES) * 2.0**-d).to(torch.float8_e4m3fn).view(torch.uint8) for d in range(16)]
+    )
+    codes = unpack_fp4(data).long()
+    row_shifts = shifts.transpose(-3, -2).reshape(2, 256, 12).repeat_interleave(32, -1).long()
+    expanded = table[row_shifts, codes & 7] | ((codes & 8) << 4).to(torch.uint8)
+    assert torch.equal(expanded, folded.view(torch.uint8))
+    # the fold's values: E2M1's where the shift is at most 8, a little off (e4m3's subnormal grid,
+    # at most 2^-10 of the block's scale) where it is more
+    value = folded.float().unflatten(-1, (-1, 128)).unflatten(-3, (-1, 128)) * folded_scales[:, :, None, :, None]
+    exact = dequantize_weight(data, scales, MX)
+    error = (value.flatten(-2).flatten(-3, -2) - exact).abs()
+    assert error.max() > 0
+    assert (error <= block_scales.repeat_interleave(128, -2).repeat_interleave(128, -1) * 2.0**-10).all()
+
+
+def test_fold_mx_act_keeps_the_values_on_e4m3s_normal_grid():
+    """fold_mx_act re-expresses MXFP8 rows against each 1x128 block's largest 1x32 scale 2^A: the
+    dequantized values are unchanged wherever the folded element is a normal e4m3 number before
+    rounding (at least 2^-6 of 2^A), within half of e4m3's smallest step (2^-10 * 2^A) elsewhere; a NaN 1x32 block
+    makes its 1x128 block NaN."""
+    from megamoe_train.quant import fold_mx_act
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(37, 384, generator=gen) * torch.exp2(
+        torch.randint(-12, 4, (37, 12), generator=gen).float()
+    ).repeat_interleave(32, -1)
+    x[3, 40] = float("nan")
+    data, scales = quantize_act(x, MX)
+    folded, folded_scales = fold_mx_act(data, scales)
+    assert folded.dtype == torch.float8_e4m3fn and folded_scales.shape == (37, 3)
+    assert torch.isnan(folded_scales[3, 0]) and not torch.isnan(folded_scales[3, 1:]).any()
+    value = (folded.float().unflatten(-1, (-1, 128)) * folded_scales[..., None]).flatten(-2)
+    exact = dequantize_act(data, scales, MX)
+    scale = folded_scales.repeat_interleave(128, -1)
+    ok = ~torch.isnan(scale)
+    normal = (exact / scale).abs() >= 2.0**-6  # before the fold's rounding
+    assert torch.equal(value[ok & normal], exact[ok & normal])
+    assert ((value - exact).abs()[ok] <= scale[ok] * 2.0**-10).all()
+    assert (value[ok] != exact[ok]).any()  # the spread reaches e4m3's subnormals

@@ -7,7 +7,7 @@ import torch
 
 from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import dequantize_weight, quantize_weight, ue8m0_to_float
+from megamoe_train.quant import dequantize_weight, fold_mx_weight, quantize_weight, ue8m0_to_float
 from megamoe_train.weights import (
     _CACHE,
     ExpertWeights,
@@ -158,6 +158,29 @@ def test_mxfp4_transform_layout():
     ):
         scale = ue8m0_to_float(scales).repeat_interleave(32, -1)
         assert ((got - want).abs() <= (want.abs() + scale) * 2**-2).all()
+
+
+def test_mxfp4_mma_operands_are_the_folded_weights():
+    """The fp8 GEMMs' view of the MX weights: quant.fold_mx_weight of the stored ones (w1 still
+    interleaved), made once; at these magnitudes the fold is exact, so they dequantize to the
+    E2M1 values, and the compute copies (the dgrad's) are those values in master order."""
+    w1, w2 = master_weights(seed=4)
+    ew = transform_weights(w1, w2, config("mxfp8_mxfp4"))
+    w1_f, w1_fs, w2_f, w2_fs = ew.mma_operands()
+    assert ew.mma_operands()[0] is w1_f
+    for (data, scales), (want_data, want_scales) in (
+        ((w1_f, w1_fs), fold_mx_weight(ew.w1, ew.w1_scales)),
+        ((w2_f, w2_fs), fold_mx_weight(ew.w2, ew.w2_scales)),
+    ):
+        assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8)) and torch.equal(scales, want_scales)
+    for data, scales, want in ((w1_f, w1_fs, ew.dequantize_w1()), (w2_f, w2_fs, ew.dequantize_w2())):
+        assert torch.equal(dequantize_weight(data, scales, RECIPES["fp8"]), want)
+    c1, c2 = ew.compute_copies(torch.bfloat16)
+    assert torch.equal(c1, deinterleave_gate_up(ew.dequantize_w1(), 8).to(torch.bfloat16))
+    assert torch.equal(c2, ew.dequantize_w2().to(torch.bfloat16))
+    fp8 = transform_weights(w1, w2, config("fp8"))
+    assert all(a is b for a, b in zip(fp8.mma_operands(), (fp8.w1, fp8.w1_scales, fp8.w2, fp8.w2_scales)))
 
 
 def test_result_is_detached():

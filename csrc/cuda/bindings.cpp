@@ -71,10 +71,11 @@ size_t bf16_wgrad_workspace_bytes(int num_groups, int variant, int output, int d
 megamoe::ExpertGemmArgs expert_args(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scales,
                                      uintptr_t group_ends, uintptr_t out, uintptr_t row_weights, uintptr_t act,
                                      uintptr_t act_scales, int num_groups, int pool_rows, int n, int k, int chunk,
-                                     double clamp, bool has_clamp, int variant, uintptr_t stream, int device) {
+                                     double clamp, bool has_clamp, int variant, uintptr_t stream, int device,
+                                     uintptr_t b_shifts = 0) {
   return {reinterpret_cast<const void*>(a), reinterpret_cast<const float*>(a_scales), reinterpret_cast<const void*>(b),
           reinterpret_cast<const float*>(b_scales), reinterpret_cast<const int32_t*>(group_ends),
-          reinterpret_cast<void*>(out), reinterpret_cast<const float*>(row_weights), reinterpret_cast<void*>(act),
+          reinterpret_cast<const uint8_t*>(b_shifts), reinterpret_cast<void*>(out), reinterpret_cast<const float*>(row_weights), reinterpret_cast<void*>(act),
           reinterpret_cast<float*>(act_scales), num_groups, pool_rows, n, k, chunk, static_cast<float>(clamp),
           has_clamp, variant, reinterpret_cast<void*>(stream), device};
 }
@@ -84,6 +85,15 @@ void expert_gemm(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_scale
                  int num_groups, int pool_rows, int n, int k, int variant, uintptr_t stream, int device) {
   check("expert_gemm", megamoe::expert_gemm(expert_args(a, a_scales, b, b_scales, group_ends, out, 0, 0, 0, num_groups,
                                                         pool_rows, n, k, 0, 0.0, false, variant, stream, device)));
+}
+
+// expert_gemm.h's expert_gemm_mx: b packed E2M1 [num_groups, n, k/2] + b_shifts + b_scales (fp32 blocks).
+void expert_gemm_mx(uintptr_t a, uintptr_t a_scales, uintptr_t b, uintptr_t b_shifts, uintptr_t b_scales,
+                    uintptr_t group_ends, uintptr_t out, int num_groups, int pool_rows, int n, int k, int variant,
+                    uintptr_t stream, int device) {
+  check("expert_gemm_mx", megamoe::expert_gemm_mx(expert_args(a, a_scales, b, b_scales, group_ends, out, 0, 0, 0,
+                                                              num_groups, pool_rows, n, k, 0, 0.0, false, variant,
+                                                              stream, device, b_shifts)));
 }
 
 // expert_gemm.h's L1: out the pre-activations bf16 [pool_rows, n], act e4m3 [pool_rows, n/2] + act_scales.
@@ -133,6 +143,9 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("expert_gemm", &expert_gemm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
         py::arg("group_ends"), py::arg("out"), py::arg("num_groups"), py::arg("pool_rows"), py::arg("n"), py::arg("k"),
         py::arg("variant"), py::arg("stream"), py::arg("device"));
+  m.def("expert_gemm_mx", &expert_gemm_mx, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_shifts"),
+        py::arg("b_scales"), py::arg("group_ends"), py::arg("out"), py::arg("num_groups"), py::arg("pool_rows"),
+        py::arg("n"), py::arg("k"), py::arg("variant"), py::arg("stream"), py::arg("device"));
   m.def("expert_gemm_swiglu", &expert_gemm_swiglu, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
         py::arg("group_ends"), py::arg("out"), py::arg("row_weights"), py::arg("act"), py::arg("act_scales"),
         py::arg("num_groups"), py::arg("pool_rows"), py::arg("n"), py::arg("k"), py::arg("chunk"), py::arg("clamp"),

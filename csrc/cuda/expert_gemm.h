@@ -22,6 +22,7 @@ struct ExpertGemmArgs {
   const void* b;
   const float* b_scales;
   const int32_t* group_ends;
+  const uint8_t* b_shifts;   // expert_gemm_mx only
   void* out;
   const float* row_weights;  // SwiGLU only
   void* act;                 // SwiGLU only
@@ -46,8 +47,13 @@ struct ExpertGemmArgs {
   int device;
 };
 
-// Both return an empty string on success, else what went wrong.
+// All return an empty string on success, else what went wrong.
 const char* expert_gemm(const ExpertGemmArgs& args);
+// expert_gemm with B the MX recipe's E2M1 weights as stored (packed uint8 [G, N, K/2], 4 bits in
+// HBM) expanded to e4m3 in shared memory: b_shifts uint8 [G, N/128, K/128, 128, 4] and b_scales
+// fp32 [G, N/128, K/128] from quant.mx_weight_shifts; the same bits as expert_gemm on
+// quant.fold_mx_weight's e4m3 weights and scales. Variants without bit 1 (the staged schedule).
+const char* expert_gemm_mx(const ExpertGemmArgs& args);
 const char* expert_gemm_swiglu(const ExpertGemmArgs& args);
 
 }  // namespace megamoe

@@ -41,6 +41,13 @@
 //   warpgroup of those rows issues no wgmma:
 //   it still waits for each stage and releases it, so the pipeline's phases stay in step, and
 //   promotes a stale scratch into rows nothing stores.
+// - kMx (plain GEMMs only): B is the MX recipe's E2M1 weights, 4 bits each in HBM and in L2. TMA
+//   brings a stage's packed rows (64 bytes per 128-deep K block) with each row's four 1x32 shifts
+//   (quant.mx_weight_shifts: the block's largest ue8m0 exponent less the row's own, clamped at
+//   15); warps 1-3 of the producer warpgroup expand them into the e4m3 B tile in its 128-byte
+//   swizzled layout (a table per shift: the E2M1 magnitudes times 2^-shift, rounded as e4m3;
+//   two byte permutes per 4 elements), and the math warpgroups wait for that instead of the TMA.
+//   b_scales holds the 128x128 blocks' 2^max, so the product is quant.fold_mx_weight's bit for bit.
 #pragma once
 
 #include <cuda.h>
@@ -80,9 +87,10 @@ using TiledMma = decltype(make_tiled_mma(
 // 32 KB per stage (A and B tiles), beside the math warpgroups' staging buffers (kBuffers of 17 KB:
 // none for the first schedule, one each for the staged schedule, two each, a unit's gate and up
 // blocks, for its deferred SwiGLU epilogue): 6, 5 or 4 stages, what fits in 227 KB.
-template <int kBuffers>
+template <int kBuffers, bool kMx = false>
 struct alignas(1024) SharedStorage {
-  static constexpr int kStages = kBuffers == 0 ? 6 : kBuffers == 2 ? 5 : 4;
+  // kMx: 4 stages, each with its packed B rows (8.5 KB more a stage)
+  static constexpr int kStages = kMx ? 4 : kBuffers == 0 ? 6 : kBuffers == 2 ? 5 : 4;
   using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                          Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{}));
   using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -90,10 +98,18 @@ struct alignas(1024) SharedStorage {
   cute::array_aligned<Element, cosize_v<LayoutA>, 1024> a;
   cute::array_aligned<Element, cosize_v<LayoutB>, 1024> b;
   cute::array_aligned<uint8_t, kBuffers ? kBuffers * 64 * kStagingPitch : 16, 16> staging;
+  // kMx: each stage's B as loaded (packed E2M1 rows, 64 bytes a row, and their 4 shifts a row)
+  cute::array_aligned<uint8_t, kMx ? kStages * kBlockN * kBlockK / 2 : 16, 128> packed;
+  cute::array_aligned<uint8_t, kMx ? kStages * kBlockN * 4 : 16, 128> shifts;
+  uint32_t lut[kMx ? 32 : 1];  // kMx: [shift 0..15][magnitudes 0-3, 4-7] as e4m3 bytes
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  uint64_t converted[kStages];  // kMx: the stage's B tile expanded (the math warpgroups wait here)
   int tile_ends[kMaxGroups];   // cumulative m tiles of groups 0..g
   int group_ends[kMaxGroups];  // the plan's cumulative row ends
+
+  // the barrier a math warpgroup waits on before reading a stage
+  __device__ __forceinline__ uint64_t* ready(int stage) { return kMx ? &converted[stage] : &full[stage]; }
 };
 
 // The staging buffers a schedule needs (SharedStorage).
@@ -101,7 +117,7 @@ constexpr int staging_buffers(bool staged, bool deferred) { return !staged ? 0 :
 
 struct Params {
   CUtensorMap tma_a;           // e4m3 [P, K], box 64 rows x 128, 128-byte swizzle
-  CUtensorMap tma_b;           // e4m3 [G*N, K], same box
+  CUtensorMap tma_b;           // e4m3 [G*N, K], same box (kMx: packed E2M1 [G*N, K/2], box 128 rows x 64 bytes)
   const float* a_scales;       // [P, K/128]
   const float* b_scales;       // [G, N/128, K/128]
   const int32_t* group_ends;   // [G]
@@ -113,6 +129,7 @@ struct Params {
   int chunk;                   // SwiGLU: gate/up interleave of B's rows (and of out's columns)
   float clamp;
   int has_clamp;
+  const uint8_t* b_shifts;     // kMx: [G, N/128, K/128, 128, 4], quant.mx_weight_shifts
   int skip_dead;               // a tile's rows past its group's end: no A load, no wgmma (see below)
 };
 
@@ -212,17 +229,25 @@ __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, s
 template <bool kSwiGLU, int kCluster>
 __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
-template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s,
+template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile);
+template <class Storage>
+__device__ void expand_e2m1(Storage& s, int steps);
+
+// E2M1 magnitudes by index (quant.E2M1_VALUES)
+__device__ constexpr float kE2M1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+constexpr int kExpandThreads = 96;  // warps 1-3 of the producer warpgroup (kMx)
 
 // kCluster: 1, or the CTA is one of a cluster of 2 or 4 CTAs on neighbouring blocks of one m tile
 // (units_per_tile a multiple of kCluster), each loading 1/kCluster of the A tile for all by multicast.
 // kStaged: the staged schedule, kStagger: its math warpgroups a K block apart, kDeferred: its
-// SwiGLU epilogue deferred into passes under the next unit's wgmmas (math_staged).
-template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred>
+// SwiGLU epilogue deferred into passes under the next unit's wgmmas (math_staged). kMx: B is
+// packed E2M1, expanded in shared memory (plain staged GEMMs only).
+template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
-  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred)>;
+  static_assert(!kMx || (!kSwiGLU && kStaged), "E2M1 weights: the plain GEMM on the staged schedule");
+  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred), kMx>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ char smem_raw[];
   // aligned by an offset from smem_raw (not through an integer), so accesses stay shared-memory ones
@@ -241,10 +266,18 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       cutlass::arch::ClusterTransactionBarrier::init(&s.full[st], 1);
       // one arrive per math warp of every CTA whose loads write this stage
       cutlass::arch::ClusterBarrier::init(&s.empty[st], kCluster * kMathThreads / 32);
+      if constexpr (kMx) cutlass::arch::ClusterBarrier::init(&s.converted[st], kExpandThreads);
     }
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(&p.tma_a);
     cute::prefetch_tma_descriptor(&p.tma_b);
+  }
+  if constexpr (kMx) {  // the expansion tables: entry [shift][i] = e4m3(kE2M1Values[i] * 2^-shift)
+    if (threadIdx.x >= 128 && threadIdx.x < 256) {
+      const int t = threadIdx.x - 128, shift = t >> 3;
+      const float v = kE2M1Values[t & 7] * __uint_as_float(uint32_t(127 - shift) << 23);
+      reinterpret_cast<uint8_t*>(s.lut)[t] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    }
   }
   if (warp == 0) {  // per-group m-tile prefix, 32 groups per step
     int carry = 0;
@@ -266,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
     }
   }
   if constexpr (kCluster > 1) {  // the peers' barriers exist before any multicast reaches them
+    if constexpr (kMx) __syncthreads();  // the tables written above, for the expanding warps
     cute::cluster_arrive_relaxed();
     cute::cluster_wait();
   } else {
@@ -274,8 +308,12 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
   const int total_units = (G > 0 ? s.tile_ends[G - 1] : 0) * units_per_tile;
 
   if (threadIdx.x < 128) {  // producer warpgroup
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x == 0) {
+    // kMx: its warps 1-3 expand B (more registers than issuing TMA; the math warpgroups give 8)
+    cutlass::arch::warpgroup_reg_dealloc<kMx ? 56 : 40>();
+    if (kMx && threadIdx.x >= 32) {
+      const int my_units = first_unit < total_units ? (total_units - 1 - first_unit) / unit_stride + 1 : 0;
+      expand_e2m1(s, my_units * KB);
+    } else if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
       for (int unit = first_unit; unit < total_units; unit += unit_stride) {
@@ -293,8 +331,10 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
 #pragma unroll 1
           for (int kb = 0; kb < KB; ++kb) {
             cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase ^ 1);
+            // B: e4m3 rows, or (kMx) packed E2M1 rows and their shifts
+            constexpr int kBBytes = kMx ? kBlockN * kBlockK / 2 + kBlockN * 4 : kBlockN * kBlockK;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage],
-                                                                            kBlockN * kBlockK + a_rows * kBlockK);
+                                                                            kBBytes + a_rows * kBlockK);
             Element* a_stage = s.a.data() + stage * kBlockM * kBlockK;
             if constexpr (kCluster > 1) {  // this CTA's share of the rows, into every CTA of the cluster
               if (share_live)
@@ -307,8 +347,16 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
                 SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + 64 * kBlockK, kb * kBlockK,
                                        tile.m0 + 64);
             }
-            SM90_TMA_LOAD_2D::copy(&p.tma_b, &s.full[stage], 0, s.b.data() + stage * kBlockN * kBlockK, kb * kBlockK,
-                                   b_row);
+            if constexpr (kMx) {
+              SM90_TMA_LOAD_2D::copy(&p.tma_b, &s.full[stage], 0, s.packed.data() + stage * kBlockN * kBlockK / 2,
+                                     kb * kBlockK / 2, b_row);
+              // the shifts of this 128-row block's K block: 512 contiguous bytes
+              const uint8_t* shifts = p.b_shifts + ((size_t(b_row) / kBlockN) * KB + kb) * (kBlockN * 4);
+              SM90_BULK_COPY_G2S::copy(shifts, &s.full[stage], s.shifts.data() + stage * kBlockN * 4, kBlockN * 4);
+            } else {
+              SM90_TMA_LOAD_2D::copy(&p.tma_b, &s.full[stage], 0, s.b.data() + stage * kBlockN * kBlockK,
+                                     kb * kBlockK, b_row);
+            }
             if (++stage == kStages) {
               stage = 0;
               phase ^= 1;
@@ -318,7 +366,8 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       }
     }
   } else if constexpr (kStaged) {
-    math_staged<kSwiGLU, kCluster, kStagger, kDeferred>(p, s, first_unit, unit_stride, total_units, units_per_tile);
+    math_staged<kSwiGLU, kCluster, kStagger, kDeferred, kMx>(p, s, first_unit, unit_stride, total_units,
+                                                             units_per_tile);
   } else {
     math<kSwiGLU, kCluster>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   }
@@ -470,14 +519,14 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
 // tensor cores, and issued at once their wgmmas interleave, end together, and leave the tensor
 // cores idle while both promote; a K block apart, each one's wgmmas queue behind the other's and
 // run while the other promotes, which keeps them apart.
-template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred)>& s,
+template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile) {
-  using Storage = SharedStorage<staging_buffers(true, kDeferred)>;
+  using Storage = SharedStorage<staging_buffers(true, kDeferred), kMx>;
   static_assert(kSwiGLU || !kDeferred, "only the SwiGLU epilogue is deferred");
   constexpr int kStages = Storage::kStages;
   constexpr int kHalves = kSwiGLU ? 2 : 1;
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<kMx ? 224 : 232>();
   const int lane = threadIdx.x % 32, G = p.num_groups, KB = p.k / kBlockK;
   const int ct = threadIdx.x - 128, wg = ct / 128, wt = ct % 128;
   TiledMma mma;
@@ -694,7 +743,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     // dead: this warpgroup's 64 rows of the tile all past its group's end (uniform over the
     // warpgroup; from the tile's live registers, not one more held across the step). Not with
     // the in-place SwiGLU epilogue: the branch makes it spill (72 bytes against 4).
-    issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage,
+    issue_k_block(mma, tCrA, tCrB, scratch, s.ready(stage), phase, stage,
                   (kDeferred || !kSwiGLU) && p.skip_dead && tile.m0 + wg * 64 >= tile.m_end);
     if constexpr (kDeferred) {
       if (block_done) {
@@ -722,6 +771,56 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
       while (pass < kPasses) swiglu_pass();
     } else {
       epilogue(tile, out_col, kSwiGLU);
+    }
+  }
+}
+
+// Four E2M1 codes (a 16-bit half of a packed word, element i in nibble i) -> four e4m3 bytes
+// through the shift's table (lo: magnitudes 0-3, hi: 4-7): one permute picks each magnitude's
+// byte, another puts 0x80 where the code's sign bit (nibble bit 3) is set.
+__device__ __forceinline__ uint32_t expand4(uint32_t codes, uint32_t lo, uint32_t hi) {
+  const uint32_t magnitude = __byte_perm(lo, hi, codes & 0x7777u);
+  const uint32_t sign = __byte_perm(0u, 0x80808080u, (codes >> 1) & 0x4444u);  // index 4 or 0
+  return magnitude | sign;
+}
+
+// kMx, warps 1-3 of the producer warpgroup: for each stage this CTA consumes, in the producer's
+// order, the packed B rows expanded into the stage's e4m3 tile. A task is one row's 1x32 block:
+// 16 packed bytes (a warp reads 512 contiguous bytes) -> 32 e4m3 bytes, 16-byte chunks 2j and
+// 2j + 1 of the row, each at chunk ^ (row % 8) as the 128-byte swizzle places it. The math
+// warpgroups' release of a stage follows this expansion (they wait for it), so the producer
+// refills the packed rows only once they are read.
+template <class Storage>
+__device__ void expand_e2m1(Storage& s, int steps) {
+  constexpr int kStages = Storage::kStages;
+  const int t = threadIdx.x - 32;
+  int stage = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int step = 0; step < steps; ++step) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
+    const uint8_t* packed = s.packed.data() + stage * kBlockN * kBlockK / 2;
+    const uint8_t* shifts = s.shifts.data() + stage * kBlockN * 4;
+    uint8_t* b = reinterpret_cast<uint8_t*>(s.b.data() + stage * kBlockN * kBlockK);
+#pragma unroll 1
+    for (int task = t; task < kBlockN * 4; task += kExpandThreads) {
+      const int row = task >> 2, j = task & 3;
+      const uint4 q = *reinterpret_cast<const uint4*>(packed + row * (kBlockK / 2) + 16 * j);
+      const int shift = shifts[task];  // row * 4 + j
+      const uint32_t lo = s.lut[2 * shift], hi = s.lut[2 * shift + 1];
+      const uint4 first = make_uint4(expand4(q.x, lo, hi), expand4(q.x >> 16, lo, hi), expand4(q.y, lo, hi),
+                                     expand4(q.y >> 16, lo, hi));
+      const uint4 second = make_uint4(expand4(q.z, lo, hi), expand4(q.z >> 16, lo, hi), expand4(q.w, lo, hi),
+                                      expand4(q.w >> 16, lo, hi));
+      uint8_t* dst = b + row * kBlockK;
+      *reinterpret_cast<uint4*>(dst + (((2 * j) ^ (row & 7)) << 4)) = first;
+      *reinterpret_cast<uint4*>(dst + (((2 * j + 1) ^ (row & 7)) << 4)) = second;
+    }
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
+    cutlass::arch::ClusterBarrier::arrive(&s.converted[stage]);
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
     }
   }
 }

@@ -79,6 +79,11 @@ def has_expert_gemm(device: torch.device) -> bool:
     return available(device) and hasattr(_cuda, "expert_gemm_swiglu")
 
 
+def has_expert_gemm_mx(device: torch.device) -> bool:
+    """available(), and the extension has the expert GEMM that reads E2M1 weights."""
+    return available(device) and hasattr(_cuda, "expert_gemm_mx")
+
+
 @functools.cache
 def _is_sm90(index: int) -> bool:  # asked before every GEMM: read the device once
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -430,6 +435,49 @@ def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int = 0)
         a.data_ptr(),
         a_scales.data_ptr(),
         b.data_ptr(),
+        b_scales.data_ptr(),
+        group_ends.data_ptr(),
+        out.data_ptr(),
+        G,
+        P,
+        N,
+        K,
+        variant,
+        torch.cuda.current_stream(dev).cuda_stream,
+        dev.index,
+    )
+    return out
+
+
+def fp8_expert_gemm_mx(a, a_scales, b, b_shifts, b_scales, group_ends, out, variant: int = 0):
+    """fp8_expert_gemm with b the MX recipe's E2M1 weights as stored: packed uint8 [G, N, K/2]
+    (quant.pack_fp4's order), expanded to e4m3 in shared memory with b_shifts uint8
+    [G, N/128, K/128, 128, 4] and b_scales fp32 [G, N/128, K/128] (quant.mx_weight_shifts of the
+    weights' ue8m0 scales): out equals fp8_expert_gemm's on quant.fold_mx_weight's e4m3 weights,
+    bit for bit. a e4m3 [P, K] + fp32 [P, K/128] (quant.fold_mx_act's operand); out bf16 [P, N].
+    variant as fp8_expert_gemm's, on the staged schedule only (0, 1, 4, 5, + 16). Returns out."""
+    fn = "fp8_expert_gemm_mx"
+    if b.dim() != 3 or a.dim() != 2:
+        raise ValueError(f"{fn}: a [P, K] and b [G, N, K/2] expected, got {list(a.shape)} and {list(b.shape)}")
+    G, N, K = b.shape[0], b.shape[1], 2 * b.shape[2]
+    P, dev = a.shape[0], a.device
+    if K % SCALE_BLOCK or N % SCALE_BLOCK or K == 0 or a.shape[1] != K:
+        raise ValueError(f"{fn}: N={N} and K={K} must be multiples of {SCALE_BLOCK} (K > 0), a [P, {K}]")
+    if not 0 < G <= 1024:
+        raise ValueError(f"{fn}: 1 to 1024 groups, got {G}")
+    _check(fn, "a", a, torch.float8_e4m3fn, (P, K), dev)
+    _check(fn, "a_scales", a_scales, torch.float32, (P, K // SCALE_BLOCK), dev)
+    _check(fn, "b", b, torch.uint8, (G, N, K // 2), dev)
+    _check(fn, "b_shifts", b_shifts, torch.uint8, (G, N // SCALE_BLOCK, K // SCALE_BLOCK, SCALE_BLOCK, 4), dev)
+    _check(fn, "b_scales", b_scales, torch.float32, (G, N // SCALE_BLOCK, K // SCALE_BLOCK), dev)
+    _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
+    _check(fn, "out", out, torch.bfloat16, (P, N), dev)
+    _tma_operands_on_cuda(fn, dict(a=a, b=b, b_shifts=b_shifts))
+    _cuda.expert_gemm_mx(
+        a.data_ptr(),
+        a_scales.data_ptr(),
+        b.data_ptr(),
+        b_shifts.data_ptr(),
         b_scales.data_ptr(),
         group_ends.data_ptr(),
         out.data_ptr(),

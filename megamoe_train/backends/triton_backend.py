@@ -19,6 +19,14 @@
   K-grouped fp8 GEMM (each expert padded to 128 pool rows so no block spans two; slower than bf16
   as measured 2026-11-30: S1 forward+backward 17.73 against 14.61 ms, the tile's fixed costs and
   per-step promotion dominate at 2-4 K steps); with bf16 every backward GEMM is bf16;
+- mxfp8_mxfp4 (recipe.mx) runs on the fp8 GEMMs with its operands folded (quant.py's MX
+  section): the input rows are stored as the recipe's MXFP8 (1x32 ue8m0 scales, quantize_rows_mx),
+  pulled as stored, then folded in the pool to 1x128 power-of-two scales (fold_mx_rows); the
+  SwiGLU kernel quantizes the L2 input the same way (MXFP8, folded); the weights are folded to e4m3
+  with 128x128 scales once per weight version (ExpertWeights.mma_operands), or, where our expert GEMM
+  is built, read as stored (4 bits a weight) and expanded in shared memory (fp8_expert_gemm_mx,
+  the same bits; MEGAMOE_MX_GEMM=folded picks the first). Its backward is the
+  bf16 one (dgrads on the dequantized compute copies, bf16 wgrads on the dequantized activations);
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
@@ -60,6 +68,10 @@ _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 # SwiGLU and the requantization in its epilogue, then L2) or "split" (the CUTLASS grouped GEMMs
 # around the Triton SwiGLU kernel); docs/kernels.md has the measurements behind the default.
 _FP8_FORWARD = os.environ.get("MEGAMOE_FP8_FORWARD", "split")
+# The MX recipe's expert GEMMs: "auto" (our expert GEMM reading the E2M1 weights as stored, expanded
+# in shared memory, where built) or "folded" (the CUTLASS fp8 GEMMs on the weights folded to e4m3
+# in HBM once per weight version, ExpertWeights.mma_operands).
+_MX_GEMM = os.environ.get("MEGAMOE_MX_GEMM", "auto")
 
 
 def unsupported_reason(cfg, device: torch.device) -> str | None:
@@ -315,7 +327,10 @@ class TritonExecutor:
         if x.shape[0] == 0:
             return
         num_rows = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-        K_.quantize_rows(x.contiguous(), data, scales, num_rows)
+        if cfg.precision.mx:  # MXFP8, 1x32 ue8m0 scales, as the buffer's protocol stores it
+            K_.quantize_rows_mx(x.contiguous(), data, scales, num_rows)
+        else:
+            K_.quantize_rows(x.contiguous(), data, scales, num_rows)
 
     def _pull(self, buf: SymmBuffer, name: str, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
         region = buf.layout.regions[name]
@@ -328,8 +343,11 @@ class TritonExecutor:
         cfg, recipe, regions = buf.config, buf.config.precision, buf.layout.regions
         P, dev = plan.pool_rows, buf.device
         x = torch.empty(P, cfg.hidden, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
+        # the scales as stored (the MX recipe's: ue8m0, folded below)
         x_scales = (
-            torch.empty(P, regions["x_scales"].shape[-1], dtype=torch.float32, device=dev) if recipe.quantized else None
+            torch.empty(P, regions["x_scales"].shape[-1], dtype=recipe.scale_storage_dtype, device=dev)
+            if recipe.quantized
+            else None
         )
         row_weights = torch.empty(P, dtype=torch.float32, device=dev)
         K_.pull_expand(
@@ -342,6 +360,10 @@ class TritonExecutor:
             weights_region=regions["topk_weights"],
             row_weights=row_weights,
         )
+        if recipe.mx:  # the fp8 GEMMs' operand: the rows folded in place to 1x128 power-of-two scales
+            folded = torch.empty(P, recipe.mma_scale_cols(cfg.hidden), dtype=torch.float32, device=dev)
+            K_.fold_mx_rows(x, x_scales, folded, plan.num_rows)
+            x_scales = folded
         return TritonPoolInputs(x, x_scales, row_weights)
 
     def pull_grad(self, buf: SymmBuffer, plan: Plan) -> TritonPoolGrad:
@@ -379,8 +401,11 @@ class TritonExecutor:
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         act = torch.empty(P, I, dtype=recipe.act_storage_dtype(cfg.dtype), device=dev)
         act_scales = (
-            torch.empty(P, I // recipe.act_block, dtype=torch.float32, device=dev) if recipe.quantized else None
+            torch.empty(P, recipe.mma_scale_cols(I), dtype=torch.float32, device=dev) if recipe.quantized else None
         )
+        if recipe.mx and _MX_GEMM != "folded" and cutlass_gemm.has_expert_gemm_mx(dev):
+            return self._mx_experts_forward(cfg, weights, plan, pool, act, act_scales)
+        w1, w1_scales, w2, w2_scales = weights.mma_operands()
         if recipe.quantized and _fused_fp8_forward(cfg, weights, dev):
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
             cutlass_gemm.fp8_expert_gemm_swiglu(
@@ -401,15 +426,29 @@ class TritonExecutor:
             return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
         if recipe.quantized:
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(pool.x, pool.x_scales, weights.w1, weights.w1_scales, plan, h, align)
+            _fp8_grouped_gemm(pool.x, pool.x_scales, w1, w1_scales, plan, h, align)
         else:
-            h = _bf16_grouped_gemm(pool.x, weights.w1, plan, transposed=False)
-        K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp)
+            h = _bf16_grouped_gemm(pool.x, w1, plan, transposed=False)
+        K_.swiglu_forward(
+            h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, cfg.activation_clamp, mx=recipe.mx
+        )
         if recipe.quantized:
             out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(act, act_scales, weights.w2, weights.w2_scales, plan, out, align)
+            _fp8_grouped_gemm(act, act_scales, w2, w2_scales, plan, out, align)
         else:
-            out = _bf16_grouped_gemm(act, weights.w2, plan, transposed=False)
+            out = _bf16_grouped_gemm(act, w2, plan, transposed=False)
+        return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
+
+    def _mx_experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: TritonPoolInputs, act, act_scales):
+        """The MX recipe's expert MLP on the expert GEMM that reads E2M1 weights as stored."""
+        P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
+        w1, w1_shifts, w1_scales, w2, w2_shifts, w2_scales = weights.mx_gemm_operands()
+        h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
+        cutlass_gemm.fp8_expert_gemm_mx(pool.x, pool.x_scales, w1, w1_shifts, w1_scales, plan.expert_ends, h)
+        clamp = cfg.activation_clamp
+        K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, clamp, mx=True)
+        out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
+        cutlass_gemm.fp8_expert_gemm_mx(act, act_scales, w2, w2_shifts, w2_scales, plan.expert_ends, out)
         return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
     def experts_backward(
