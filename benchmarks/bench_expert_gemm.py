@@ -22,10 +22,17 @@ from timing import hbm_bandwidth, median_ms
 from megamoe_train.backends import cutlass_gemm
 from megamoe_train.backends import triton_kernels as K_
 from megamoe_train.precision import get_recipe
-from megamoe_train.quant import quantize_act, quantize_weight
+from megamoe_train.quant import fold_mx_weight, mx_weight_shifts, quantize_act, quantize_weight
 from megamoe_train.weights import interleave_gate_up
 
-FP8 = get_recipe("fp8")
+FP8, MX = get_recipe("fp8"), get_recipe("mxfp8_mxfp4")
+
+
+def mx_operands(w):
+    """bf16 weights -> (packed E2M1, shifts, block scales) for fp8_expert_gemm_mx and (e4m3, scales)
+    folded for fp8_expert_gemm: the MX recipe's weights both ways (the same bits out)."""
+    packed, scales = quantize_weight(w, MX)
+    return (packed, *mx_weight_shifts(scales)), fold_mx_weight(packed, scales)
 
 
 def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool = False) -> list[str]:
@@ -39,8 +46,12 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     del x
     w1 = interleave_gate_up(torch.randn(G, 2 * I, H, device=dev, dtype=torch.bfloat16) * H**-0.5, 128)
     w1q, w1s = quantize_weight(w1, FP8)
+    w1_mx, w1_folded = mx_operands(w1)
     del w1
-    w2q, w2s = quantize_weight(torch.randn(G, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5, FP8)
+    w2 = torch.randn(G, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5
+    w2q, w2s = quantize_weight(w2, FP8)
+    w2_mx, w2_folded = mx_operands(w2)
+    del w2
     row_w = torch.rand(P, device=dev)
     h = torch.empty(P, 2 * I, device=dev, dtype=torch.bfloat16)
     act = torch.empty(P, I, device=dev, dtype=torch.float8_e4m3fn)
@@ -65,8 +76,21 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     def l2_ours(variant=0):
         cutlass_gemm.fp8_expert_gemm(act, act_s, w2q, w2s, ends, out, variant)
 
+    # the MX recipe's weights: E2M1 expanded in shared memory, or folded to e4m3 in HBM
+    def mx_l1():
+        cutlass_gemm.fp8_expert_gemm_mx(xq, xs, *w1_mx, ends, h)
+
+    def mx_l2():
+        cutlass_gemm.fp8_expert_gemm_mx(act, act_s, *w2_mx, ends, out)
+
+    def folded_l1():
+        cutlass_gemm.fp8_expert_gemm(xq, xs, *w1_folded, ends, h)
+
+    def folded_l2():
+        cutlass_gemm.fp8_expert_gemm(act, act_s, *w2_folded, ends, out)
+
     if once:  # each GEMM launched once, nothing timed: for Nsight Compute
-        for fn in (split_l1, l2_cutlass, fused_l1, ours_l1_plain, l2_ours):
+        for fn in (split_l1, l2_cutlass, fused_l1, ours_l1_plain, l2_ours, mx_l1, mx_l2):
             fn()
         torch.cuda.synchronize()
         return []
@@ -83,6 +107,13 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     err_h = float((h[:rows].float() - ref_h[:rows].float()).norm() / ref_h[:rows].float().norm())
     err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
     del ref_h, ref_out
+    mx_same = True  # the E2M1 kernel's bits equal the folded weights' product
+    for mx_fn, folded_fn, dst in ((mx_l1, folded_l1, h), (mx_l2, folded_l2, out)):
+        folded_fn()
+        want = dst[:rows].clone()
+        mx_fn()
+        mx_same = mx_same and torch.equal(dst[:rows], want)
+        del want
 
     # variants (csrc/cuda/expert_gemm.h): 0 the staged schedule with CTA pairs (SwiGLU deferred
     # into passes), 8 its SwiGLU epilogue in place, 1 without pairs, 4 with pairs but the math
@@ -107,6 +138,10 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
             ("dead skipped L1+SwiGLU", lambda: fused_l1(16)),
             ("dead skipped L1 plain", lambda: ours_l1_plain(16)),
             ("dead skipped L2", lambda: l2_ours(16)),
+            ("mx L1", mx_l1),
+            ("mx L2", mx_l2),
+            ("folded L1", folded_l1),
+            ("folded L2", folded_l2),
         )
     }
     f1, f2 = 2.0 * useful * H * 2 * I, 2.0 * useful * I * H
@@ -118,6 +153,9 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     first = t["first L1+SwiGLU"] + t["first L2"]
     unstaggered = t["unstaggered L1+SwiGLU"] + t["unstaggered L2"]
     skipped = t["dead skipped L1+SwiGLU"] + t["dead skipped L2"]
+    # the MX weights' floor: half of e4m3's weight bytes
+    mx_floor1 = max(f1 / (fp8_rate * 1e12), (bytes1 - G * 2 * I * H / 2) / hbm) * 1e3
+    mx_floor2 = max(f2 / (fp8_rate * 1e12), (bytes2 - G * H * I / 2) / hbm) * 1e3
 
     def tf(flops, ms):
         return f"{flops / ms / 1e9:.0f}"
@@ -145,6 +183,12 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
         f"({tf(f1, t['dead skipped L1+SwiGLU'])}); plain {t['dead skipped L1 plain']:.3f} "
         f"({tf(f1, t['dead skipped L1 plain'])}) | - | "
         f"{t['dead skipped L2']:.3f} ({tf(f2, t['dead skipped L2'])}) | {skipped:.3f} | {floor1 + floor2:.3f} | |",
+        f"| {shape} | {G} | {useful} | {P} | mxfp4 weights expanded in smem (plain L1) | {t['mx L1']:.3f} "
+        f"({tf(f1, t['mx L1'])}) | - | {t['mx L2']:.3f} ({tf(f2, t['mx L2'])}) | {t['mx L1'] + t['mx L2']:.3f} "
+        f"| {mx_floor1 + mx_floor2:.3f} | {'same bits as folded' if mx_same else 'OTHER BITS than folded'} |",
+        f"| {shape} | {G} | {useful} | {P} | mxfp4 weights folded to e4m3 in HBM (plain L1) | {t['folded L1']:.3f} "
+        f"({tf(f1, t['folded L1'])}) | - | {t['folded L2']:.3f} ({tf(f2, t['folded L2'])}) "
+        f"| {t['folded L1'] + t['folded L2']:.3f} | {floor1 + floor2:.3f} | |",
     ]
     for line in lines:
         print(line, flush=True)
