@@ -785,36 +785,43 @@ __device__ __forceinline__ uint32_t expand4(uint32_t codes, uint32_t lo, uint32_
 }
 
 // kMx, warps 1-3 of the producer warpgroup: for each stage this CTA consumes, in the producer's
-// order, the packed B rows expanded into the stage's e4m3 tile. A task is one row's 1x32 block:
+// order, the packed B rows expanded into the stage's e4m3 tile. A task is one row's 1x32 block j:
 // 16 packed bytes (a warp reads 512 contiguous bytes) -> 32 e4m3 bytes, 16-byte chunks 2j and
-// 2j + 1 of the row, each at chunk ^ (row % 8) as the 128-byte swizzle places it. The math
+// 2j + 1 of the row, each at chunk ^ (row % 8) as the 128-byte swizzle places it (a quarter
+// warp's 8 stores fall into 8 distinct chunks). The math
 // warpgroups' release of a stage follows this expansion (they wait for it), so the producer
 // refills the packed rows only once they are read.
 template <class Storage>
 __device__ void expand_e2m1(Storage& s, int steps) {
   constexpr int kStages = Storage::kStages;
-  const int t = threadIdx.x - 32;
+  // Thread t takes tasks t + 96 i: the same 1x32 block j of rows r0 + 24 i, and as 24 is a multiple
+  // of 8, the same swizzled chunks in every one of them; 512 tasks: 6 for t < 32, else 5.
+  static_assert(kExpandThreads % 32 == 0 && (kExpandThreads / 4) % 8 == 0, "fixed chunks per thread");
+  constexpr int kRowStep = kExpandThreads / 4;
+  const int t = threadIdx.x - 32, j = t & 3, r0 = t >> 2;
+  const int tasks = (kBlockN * 4 - t + kExpandThreads - 1) / kExpandThreads;
+  const int in_offset = r0 * (kBlockK / 2) + 16 * j;
+  const int out_first = r0 * kBlockK + (((2 * j) ^ (r0 & 7)) << 4);
+  const int out_second = r0 * kBlockK + (((2 * j + 1) ^ (r0 & 7)) << 4);
   int stage = 0;
   uint32_t phase = 0;
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
-    const uint8_t* packed = s.packed.data() + stage * kBlockN * kBlockK / 2;
-    const uint8_t* shifts = s.shifts.data() + stage * kBlockN * 4;
+    const uint8_t* packed = s.packed.data() + stage * kBlockN * kBlockK / 2 + in_offset;
+    const uint8_t* shifts = s.shifts.data() + stage * kBlockN * 4 + t;  // row * 4 + j
     uint8_t* b = reinterpret_cast<uint8_t*>(s.b.data() + stage * kBlockN * kBlockK);
-#pragma unroll 1
-    for (int task = t; task < kBlockN * 4; task += kExpandThreads) {
-      const int row = task >> 2, j = task & 3;
-      const uint4 q = *reinterpret_cast<const uint4*>(packed + row * (kBlockK / 2) + 16 * j);
-      const int shift = shifts[task];  // row * 4 + j
+#pragma unroll 2
+    for (int i = 0; i < tasks; ++i) {
+      const uint4 q = *reinterpret_cast<const uint4*>(packed + i * kRowStep * (kBlockK / 2));
+      const int shift = shifts[i * kExpandThreads];
       const uint32_t lo = s.lut[2 * shift], hi = s.lut[2 * shift + 1];
       const uint4 first = make_uint4(expand4(q.x, lo, hi), expand4(q.x >> 16, lo, hi), expand4(q.y, lo, hi),
                                      expand4(q.y >> 16, lo, hi));
       const uint4 second = make_uint4(expand4(q.z, lo, hi), expand4(q.z >> 16, lo, hi), expand4(q.w, lo, hi),
                                       expand4(q.w >> 16, lo, hi));
-      uint8_t* dst = b + row * kBlockK;
-      *reinterpret_cast<uint4*>(dst + (((2 * j) ^ (row & 7)) << 4)) = first;
-      *reinterpret_cast<uint4*>(dst + (((2 * j + 1) ^ (row & 7)) << 4)) = second;
+      *reinterpret_cast<uint4*>(b + out_first + i * kRowStep * kBlockK) = first;
+      *reinterpret_cast<uint4*>(b + out_second + i * kRowStep * kBlockK) = second;
     }
     cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
     cutlass::arch::ClusterBarrier::arrive(&s.converted[stage]);
