@@ -348,6 +348,51 @@ def push_partials(peer_bases, region, rows, plan, me: int, scalar_region=None, s
     )
 
 
+# ----------------------------------------------------------------------------- e4m3 as bits
+
+
+# Triton's interpreter (the CPU tests) converts float32 to e4m3 rounding ties up and e4m3 to float32
+# with no NaN, so with SOFT_CAST (CPU tensors) these convert with integer ops that round to nearest
+# even; on the GPU the hardware conversions do it. Shared with triton_weight_prep.
+_E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
+
+
+@triton.jit
+def _e4m3_bits(v, SOFT_CAST: tl.constexpr):
+    """float32 in [-448, 448] (or NaN) -> e4m3 (fn) bits as uint8, round to nearest even."""
+    if SOFT_CAST:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = ((bits >> 31) & 1) << 7
+        mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800000)
+        # Normal range: keep 3 mantissa bits rounding to nearest even (a carry moves into the
+        # exponent), then rebias the exponent from 127 to 7.
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        # Below 2**-6: multiples of 2**-9, codes 0..8 (8 is the smallest normal); the float add
+        # of 2**23 rounds |v| * 512 to an integer, to nearest even.
+        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        code = tl.where(mag < _E4M3_MIN_NORMAL_BITS, sub, normal)
+        code = tl.where(v != v, 0x7F, code)
+        return (code | sign).to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(b, SOFT_CAST: tl.constexpr):
+    """e4m3 (fn) bits (uint8) -> exact float32."""
+    if SOFT_CAST:
+        b = b.to(tl.int32)
+        exponent = (b >> 3) & 15
+        mantissa = b & 7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        magnitude = tl.where((b & 0x7F) == 0x7F, float("nan"), magnitude)
+        # The sign as a bit: negation can be 0 - x, which loses -0.0 (triton 3.6's interpreter).
+        return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
 # ----------------------------------------------------------------------------- fp8 rows
 
 
@@ -515,6 +560,206 @@ def quantize_tokens_t(src, src_scales, row_slot, num_rows, out, out_scales, bloc
     )
 
 
+# ----------------------------------------------------------------------------- MX rows (mxfp8_mxfp4)
+
+
+# The mxfp8_mxfp4 recipe's activations (quant.quantize_act: e4m3, one ue8m0 power-of-two scale per
+# 1x32 block) and their fold into the operand of Hopper's fp8 MMA (quant.fold_mx_act: each 1x128
+# block re-expressed against its largest 1x32 scale). Integer ops and multiplies by exact powers of
+# two only: no division, no libdevice (which flushes subnormals), so with SOFT_CAST on CPU tensors
+# the bits are quant.py's in the interpreter as on the GPU.
+_MX_FOLD_MIN_SHIFT = tl.constexpr(-30)  # quant._fold's clamp: below it every element rounds to 0
+
+
+@triton.jit
+def _mx_scale_codes(amax_bits):
+    """1x32 block maxima as float32 bits (non-negative, so ordered like the values; NaN's above
+    inf's) -> (ue8m0 code, int32; 1 / scale, float32). quant._block_scales for e4m3 in integers:
+    with amax = 1.f * 2**(b - 127) and 448 = 1.75 * 2**8, ceil(log2(amax / 448)) is b - 135, plus
+    one when 1.f > 1.75 (mantissa field above 0x600000); the code is that plus 127, at least 0 (at
+    most 247 for a finite amax). quant.py's floor on amax (2**-126) needs no counterpart: every
+    amax up to 448 * 2**-127, subnormal or zero too, gets code 0 either way. NaN or inf: 255 and a NaN
+    reciprocal, so the block's elements come out NaN."""
+    code = tl.maximum((amax_bits >> 23) - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), 0)
+    finite = amax_bits < 0x7F800000
+    # 2**(127 - code), biased exponent 254 - code: at least 7, a normal number.
+    recip = tl.where(finite, (254 - code) << 23, 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(finite, code, 255), recip
+
+
+@triton.jit
+def _mx_quantize(v, SOFT_CAST: tl.constexpr):
+    """fp32 rows v [R, C] (C a multiple of 32) -> (e4m3 bits, uint8 [R, C/32, 32]; ue8m0 codes,
+    int32 [R, C/32]), quant.quantize_act for mxfp8_mxfp4. v times the reciprocal power of two is
+    torch's correctly rounded v / scale (the same real number, rounded once) and never above 448
+    (the scale rounds up), so there is nothing to clamp. amax is the integer max of |v|'s bits: a
+    NaN or inf wins, as in _e4m3_blocks (float max skips NaN)."""
+    R: tl.constexpr = v.shape[0]
+    C: tl.constexpr = v.shape[1]
+    v3 = tl.reshape(v, [R, C // 32, 32])
+    amax = tl.max(v3.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    code, recip = _mx_scale_codes(amax)
+    return _e4m3_bits(v3 * recip[:, :, None], SOFT_CAST), code
+
+
+@triton.jit
+def _mx_fold(x, codes, block_code, SOFT_CAST: tl.constexpr):
+    """quant._fold: x [A, B, 32], the exact float32 values of 1x32 blocks (e4m3 or e2m1, or NaN)
+    with their own scales divided out, codes int32 [A, B] their ue8m0 codes and block_code (int32,
+    broadcast to [A, B]) their fold block's largest -> e4m3 bits uint8 [A, B, 32] of
+    x * 2**(code - block_code). The shift is clamped at -30 so the factor is a normal float32 built
+    from its bits, and the product is exact (x is 0 or at least 2**-9): one rounding, to e4m3. A
+    NaN block (block_code 255): all 0x7F, the positive NaN quant.py fills in."""
+    shift = tl.maximum(codes - block_code, _MX_FOLD_MIN_SHIFT)
+    factor = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    bits = _e4m3_bits(x * factor[:, :, None], SOFT_CAST)
+    nan = tl.broadcast_to(block_code == 255, codes.shape)
+    return tl.where(nan[:, :, None], 0x7F, bits).to(tl.uint8)
+
+
+@triton.jit
+def _mx_fold_scale(block_code):
+    """quant._fold_scales: a fold block's largest ue8m0 code -> its fp32 scale from the bits
+    (ue8m0_to_float: 0 is the subnormal 2**-127, 255 the NaN 0x7FC00000)."""
+    bits = tl.where(block_code == 0, 1 << 22, block_code << 23)
+    return tl.where(block_code == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_fold_rows(x, codes, SOFT_CAST: tl.constexpr):
+    """One 1x128 fold block per row: x [R, 4, 32] (exact values), codes int32 [R, 4] -> (e4m3 bits
+    uint8 [R, 4, 32], fp32 scale [R]), quant.fold_mx_act."""
+    block_code = tl.max(codes, axis=1)
+    return _mx_fold(x, codes, block_code[:, None], SOFT_CAST), _mx_fold_scale(block_code)
+
+
+@triton.jit
+def _mx_quantize_fold(v, SOFT_CAST: tl.constexpr):
+    """fp32 rows v [R, 128] -> (e4m3 bits uint8 [R, 128], fp32 scale [R]):
+    quant.fold_mx_act(*quant.quantize_act(v, mxfp8_mxfp4)), the 1x32 e4m3 rounding and then the
+    fold's (two roundings, as quant.py does them)."""
+    R: tl.constexpr = v.shape[0]
+    q, codes = _mx_quantize(v, SOFT_CAST)
+    folded, scale = _mx_fold_rows(_e4m3_value(q, SOFT_CAST), codes, SOFT_CAST)
+    return tl.reshape(folded, [R, 128]), scale
+
+
+@triton.jit
+def _quantize_rows_mx_kernel(
+    data,
+    data_stride,
+    out,
+    out_stride,
+    scales,
+    scales_stride,
+    num_rows_ptr,
+    BF16_BITS: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Reads BLOCK_R live rows x BLOCK columns of data, writes their e4m3 bytes to out and their
+    BLOCK / 32 ue8m0 codes to scales. BF16_BITS: data holds bf16 as int16 bits, widened by a shift
+    (exact for subnormals too, which the interpreter's bf16 cast gets wrong; an all-subnormal block
+    keeps its elements here: its scale is 2**-127)."""
+    num_rows = tl.load(num_rows_ptr)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= num_rows:
+        return
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < num_rows
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(data + rows[:, None] * data_stride + cols[None, :], mask=rmask[:, None], other=0)
+    if BF16_BITS:
+        v = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    q, codes = _mx_quantize(v.to(tl.float32), SOFT_CAST)
+    tl.store(out + rows[:, None] * out_stride + cols[None, :], tl.reshape(q, [BLOCK_R, BLOCK]), mask=rmask[:, None])
+    scols = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(scales + rows[:, None] * scales_stride + scols[None, :], codes.to(tl.uint8), mask=rmask[:, None])
+
+
+def quantize_rows_mx(data, out, scales, num_rows, block_r: int = 32, num_warps: int = 4):
+    """The live rows (num_rows: int32 device tensor [1]) of data [P, W] (bf16 or fp32, W % 128 == 0)
+    as the mxfp8_mxfp4 recipe stores an activation, quant.quantize_act bit for bit: e4m3 out [P, W]
+    and ue8m0 scales uint8 [P, W/32]. Rows past num_rows are not written. block_r: rows per program
+    (a power of two)."""
+    rows, width = data.shape
+    assert data.dtype in (torch.bfloat16, torch.float32), data.dtype
+    assert width % 128 == 0 and out.shape == data.shape and scales.shape == (rows, width // 32)
+    assert out.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8
+    assert data.stride(1) == 1 and out.stride(1) == 1 and scales.stride(1) == 1
+    bf16 = data.dtype == torch.bfloat16
+    _quantize_rows_mx_kernel[(triton.cdiv(rows, block_r), width // 128)](
+        data.view(torch.int16) if bf16 else data,
+        data.stride(0),
+        out.view(torch.uint8),
+        out.stride(0),
+        scales,
+        scales.stride(0),
+        num_rows,
+        BF16_BITS=bf16,
+        SOFT_CAST=data.device.type == "cpu",
+        BLOCK_R=block_r,
+        BLOCK=128,
+        num_warps=num_warps,
+    )
+
+
+@triton.jit
+def _fold_mx_rows_kernel(
+    data,
+    data_stride,
+    scales,
+    scales_stride,
+    out_scales,
+    out_scales_stride,
+    num_rows_ptr,
+    SOFT_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Reads one 1x128 fold block of BLOCK_R live rows (e4m3 bytes and their four ue8m0 codes),
+    writes the folded bytes over them and the block's fp32 scale to out_scales."""
+    num_rows = tl.load(num_rows_ptr)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= num_rows:
+        return
+    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < num_rows
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ptrs = data + rows[:, None] * data_stride + cols[None, :]
+    b = tl.load(ptrs, mask=rmask[:, None], other=0)
+    scols = tl.program_id(1) * 4 + tl.arange(0, 4)
+    codes = tl.load(scales + rows[:, None] * scales_stride + scols[None, :], mask=rmask[:, None], other=0)
+    x = tl.reshape(_e4m3_value(b, SOFT_CAST), [BLOCK_R, 4, 32])
+    folded, scale = _mx_fold_rows(x, codes.to(tl.int32), SOFT_CAST)
+    tl.store(ptrs, tl.reshape(folded, [BLOCK_R, 128]), mask=rmask[:, None])
+    tl.store(out_scales + rows * out_scales_stride + tl.program_id(1), scale, mask=rmask)
+
+
+def fold_mx_rows(data, scales, out_scales, num_rows, block_r: int = 32, num_warps: int = 4):
+    """Fold the live rows (num_rows: int32 device tensor [1]) of MXFP8 rows in place for the fp8
+    GEMMs, quant.fold_mx_act bit for bit: data e4m3 [P, W] (W % 128 == 0) is overwritten with the
+    folded elements, scales uint8 [P, W/32] (its 1x32 ue8m0 codes) is read, out_scales fp32
+    [P, W/128] gets one power-of-two scale per 1x128 block. Rows past num_rows are not touched.
+    block_r: rows per program (a power of two)."""
+    rows, width = data.shape
+    assert width % 128 == 0 and scales.shape == (rows, width // 32) and out_scales.shape == (rows, width // 128)
+    assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8 and out_scales.dtype == torch.float32
+    assert data.stride(1) == 1 and scales.stride(1) == 1 and out_scales.stride(1) == 1
+    _fold_mx_rows_kernel[(triton.cdiv(rows, block_r), width // 128)](
+        data.view(torch.uint8),
+        data.stride(0),
+        scales,
+        scales.stride(0),
+        out_scales,
+        out_scales.stride(0),
+        num_rows,
+        SOFT_CAST=data.device.type == "cpu",
+        BLOCK_R=block_r,
+        num_warps=num_warps,
+    )
+
+
 # ----------------------------------------------------------------------------- SwiGLU
 
 
@@ -540,11 +785,14 @@ def _swiglu_forward_kernel(
     CHUNK: tl.constexpr,
     HAS_CLAMP: tl.constexpr,
     QUANT: tl.constexpr,
+    MX: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """act = silu(min(g, c)) * clamp(u, -c, c) * w_row; with QUANT, e4m3 + one fp32 scale per
-    BLOCK_C (=128) columns of a row, as quant.quantize_act."""
+    BLOCK_C (=128) columns of a row, as quant.quantize_act; with MX as well, the fp8 recipe's
+    rounding replaced by mxfp8_mxfp4's then folded (_mx_quantize_fold; act as uint8 bytes)."""
     num_rows = tl.load(num_rows_ptr)
     r0 = tl.program_id(0) * BLOCK_R
     if r0 >= num_rows:
@@ -561,7 +809,10 @@ def _swiglu_forward_kernel(
     w = tl.load(row_weight + rows, mask=rmask, other=0)
     a = g / (1.0 + tl.exp(-g)) * u * w[:, None]
     if QUANT:
-        q, scale = _e4m3_blocks(a)
+        if MX:
+            q, scale = _mx_quantize_fold(a, SOFT_CAST)
+        else:
+            q, scale = _e4m3_blocks(a)
         tl.store(act + rows[:, None] * act_stride + j[None, :], q, mask=rmask[:, None])
         tl.store(act_scales + rows * scales_stride + tl.program_id(1), scale, mask=rmask)
     else:
@@ -569,20 +820,34 @@ def _swiglu_forward_kernel(
 
 
 def swiglu_forward(
-    h, row_weight, act, act_scales, num_rows, chunk: int, clamp: float | None, block_r: int = 32, num_warps: int = 4
+    h,
+    row_weight,
+    act,
+    act_scales,
+    num_rows,
+    chunk: int,
+    clamp: float | None,
+    block_r: int = 32,
+    num_warps: int = 4,
+    mx: bool = False,
 ):
     """Fused clamp + SwiGLU + topk weight (+ e4m3 requantization) over the live pool rows.
     block_r / num_warps: rows per program and its warps (8-32 rows, 4-8 warps measure within noise
-    of each other at S1: benchmarks/bench_row_kernels.py)."""
+    of each other at S1: benchmarks/bench_row_kernels.py). mx (with act_scales fp32 [P, I/128]):
+    act, act_scales = quant.fold_mx_act(*quant.quantize_act(a, mxfp8_mxfp4)) of the fp32 SwiGLU
+    value a, the MX activation as the fp8 GEMMs read it."""
     rows, inter = act.shape
     block_c = 128
     assert inter % block_c == 0, "intermediate size must be a multiple of 128"
+    if mx:
+        assert act_scales is not None and act.dtype == torch.float8_e4m3fn, "mx: e4m3 act and fp32 act_scales"
+        assert act_scales.dtype == torch.float32 and act_scales.shape == (rows, inter // block_c)
     grid = (triton.cdiv(rows, block_r), inter // block_c)
     _swiglu_forward_kernel[grid](
         h,
         h.stride(0),
         row_weight,
-        act,
+        act.view(torch.uint8) if mx else act,
         act.stride(0),
         act_scales if act_scales is not None else row_weight,
         act_scales.stride(0) if act_scales is not None else 0,
@@ -592,6 +857,8 @@ def swiglu_forward(
         CHUNK=chunk,
         HAS_CLAMP=clamp is not None,
         QUANT=act_scales is not None,
+        MX=mx,
+        SOFT_CAST=mx and h.device.type == "cpu",
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         num_warps=num_warps,

@@ -16,8 +16,9 @@ divisions (tl.math.div_rn and triton_kernels.divide_rn; Triton's `/` is approxim
 
 CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, used by the tests). Its
 float casts do not round to nearest even (triton 3.8: fp32 -> bf16 truncates, fp8 rounds ties up),
-so for CPU tensors the kernels convert with integer ops that do (SOFT_CAST); on the GPU the
-hardware conversions (cvt.rn) do it.
+so for CPU tensors the kernels convert with integer ops that do (SOFT_CAST, triton_kernels'
+_e4m3_bits / _e4m3_value, shared with its MX row kernels); on the GPU the hardware conversions
+(cvt.rn) do it.
 
 `quantize_e2m1_blocks` does the same for the mxfp8_mxfp4 recipe's E2M1 weights with ue8m0 scales in
 1 x 32 blocks: one pass over the master weight writes the packed codes and scales in kernel layout
@@ -25,6 +26,10 @@ hardware conversions (cvt.rn) do it.
 layout a dgrad reading W transposed would take, a quantization of its own since the blocks are not
 square). Bit for bit quant.quantize_weight, with integer ops and one multiply by an exact power of
 two, the same on the GPU and in the interpreter (no soft casts needed).
+
+`fold_e2m1_blocks` turns those kernel-layout E2M1 weights into the operand of Hopper's fp8 GEMMs
+(quant.fold_mx_weight, bit for bit): e4m3 elements against each 128 x 128 block's largest 1 x 32
+scale, one fp32 power-of-two scale per block (the fold math shared with triton_kernels' MX rows).
 """
 
 from __future__ import annotations
@@ -36,12 +41,11 @@ import triton
 import triton.language as tl
 
 from .. import quant
-from .triton_kernels import divide_rn
+from .triton_kernels import _e4m3_bits, _e4m3_value, _mx_fold, _mx_fold_scale, divide_rn
 
 # Kernels may only read constexpr globals.
 _E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
 _MIN_AMAX = tl.constexpr(quant._FP32_SCALE_MIN_AMAX)
-_E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, e4m3's smallest normal number
 _E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # float32 bits of 6.0, quant.E2M1_MAX
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 bits of 1.0
 
@@ -70,42 +74,6 @@ def supports(device: torch.device) -> bool:
 
 
 # ----------------------------------------------------------------------------- conversions
-
-
-@triton.jit
-def _e4m3_bits(v, SOFT_CAST: tl.constexpr):
-    """float32 in [-448, 448] (or NaN) -> e4m3 (fn) bits as uint8, round to nearest even."""
-    if SOFT_CAST:
-        bits = v.to(tl.int32, bitcast=True)
-        sign = ((bits >> 31) & 1) << 7
-        mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800000)
-        # Normal range: keep 3 mantissa bits rounding to nearest even (a carry moves into the
-        # exponent), then rebias the exponent from 127 to 7.
-        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-        # Below 2**-6: multiples of 2**-9, codes 0..8 (8 is the smallest normal); the float add
-        # of 2**23 rounds |v| * 512 to an integer, to nearest even.
-        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-        code = tl.where(mag < _E4M3_MIN_NORMAL_BITS, sub, normal)
-        code = tl.where(v != v, 0x7F, code)
-        return (code | sign).to(tl.uint8)
-    else:
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _e4m3_value(b, SOFT_CAST: tl.constexpr):
-    """e4m3 (fn) bits (uint8) -> exact float32."""
-    if SOFT_CAST:
-        b = b.to(tl.int32)
-        exponent = (b >> 3) & 15
-        mantissa = b & 7
-        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
-        magnitude = tl.where((b & 0x7F) == 0x7F, float("nan"), magnitude)
-        # The sign as a bit: negation can be 0 - x, which loses -0.0 (triton 3.6's interpreter).
-        return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-    else:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -546,3 +514,88 @@ def quantize_e2m1_blocks(
     if not transposed:
         return data, scales, None, None
     return data, scales, data_t, scales_t
+
+
+# ----------------------------------------------------------------------------- mxfp4 weights folded for fp8 MMA
+
+
+@triton.jit
+def _e2m1_values(codes):
+    """E2M1 codes (int32, sign << 3 | index) -> their exact float32 values, from the bits: index
+    i >= 2 is (1 + (i & 1) / 2) * 2**((i >> 1) - 1), i.e. bits (i << 22) + (126 << 23); index 1 is
+    0.5 (126 << 23), 0 is 0; code 8 is -0.0, as quant._e2m1_decode."""
+    index = codes & 7
+    bits = tl.where(index >= 2, (index << 22) + (126 << 23), index * (126 << 23))
+    return (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fold_e2m1_kernel(
+    data,
+    scales,
+    out,
+    out_scales,
+    N,
+    K,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+):
+    """One program per BLOCK x BLOCK (128 x 128) fold block: reads the block's 1 x 32 ue8m0 codes
+    (BLOCK x BLOCK/32 bytes) for its largest, then ROWS rows at a time their packed codes (and
+    their scale codes again, a few bytes from L1), and writes the folded e4m3 rows and the block's
+    fp32 scale."""
+    e, nb, kb, n_blocks, k_blocks = _block_ids(N, K, BLOCK, BLOCK)
+    SB: tl.constexpr = BLOCK // 32  # 1 x 32 scales per row of the block
+    first_row = e * N + (nb * BLOCK).to(tl.int64)
+    scale_cols = kb * SB + tl.arange(0, SB)
+    r = tl.arange(0, BLOCK)
+    codes = tl.load(scales + (first_row + r)[:, None] * (K // 32) + scale_cols[None, :]).to(tl.int32)
+    block_code = tl.max(codes)
+    rr = tl.arange(0, ROWS)
+    packed_cols = kb * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    for r0 in tl.static_range(0, BLOCK, ROWS):
+        row = first_row + r0 + rr
+        packed = tl.load(data + row[:, None] * (K // 2) + packed_cols[None, :]).to(tl.int32)
+        # quant.unpack_fp4: the even element in the low nibble
+        e2m1 = tl.reshape(tl.join(packed & 15, packed >> 4), [ROWS, BLOCK])
+        x = tl.reshape(_e2m1_values(e2m1), [ROWS, SB, 32])
+        row_codes = tl.load(scales + row[:, None] * (K // 32) + scale_cols[None, :]).to(tl.int32)
+        folded = _mx_fold(x, row_codes, block_code, SOFT_CAST)
+        tl.store(out + row[:, None] * K + cols[None, :], tl.reshape(folded, [ROWS, BLOCK]))
+    tl.store(out_scales + (e * n_blocks + nb) * k_blocks + kb, _mx_fold_scale(block_code))
+
+
+def fold_e2m1_blocks(data: torch.Tensor, scales: torch.Tensor, rows_per_step: int = 32, num_warps: int = 4):
+    """mxfp8_mxfp4 weights as Hopper's fp8 GEMMs read them, quant.fold_mx_weight bit for bit: data
+    packed E2M1 uint8 [E, N, K/2] and scales ue8m0 uint8 [E, N, K/32] (N, K multiples of 128) ->
+    (e4m3 [E, N, K], fp32 power-of-two scales [E, N/128, K/128]), each 128 x 128 block's elements
+    re-expressed against its largest 1 x 32 scale. rows_per_step: rows of a block folded and stored
+    at a time (a power of two dividing 128)."""
+    if data.dtype != torch.uint8 or scales.dtype != torch.uint8 or data.dim() != 3:
+        raise ValueError(
+            f"fold_e2m1_blocks: expected uint8 [E, N, K/2] data and scales, got {data.dtype} {scales.dtype}"
+        )
+    E, N, K = data.shape[0], data.shape[1], 2 * data.shape[2]
+    block = quant.MX_FOLD_BLOCK
+    _check_tiling("data", torch.Size((E, N, K)), data.device, (block, block))
+    if tuple(scales.shape) != (E, N, K // 32):
+        raise ValueError(f"fold_e2m1_blocks: scales must have shape {[E, N, K // 32]}, got {list(scales.shape)}")
+    if rows_per_step <= 0 or rows_per_step & (rows_per_step - 1) or block % rows_per_step:
+        raise ValueError(f"rows_per_step: {rows_per_step} must be a power of two dividing {block}")
+    out = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=data.device)
+    out_scales = torch.empty(E, N // block, K // block, dtype=torch.float32, device=data.device)
+    _fold_e2m1_kernel[(E * (N // block) * (K // block),)](
+        data.contiguous(),
+        scales.contiguous(),
+        out.view(torch.uint8),
+        out_scales,
+        N,
+        K,
+        BLOCK=block,
+        ROWS=rows_per_step,
+        SOFT_CAST=data.device.type == "cpu",
+        num_warps=num_warps,
+    )
+    return out, out_scales
