@@ -764,6 +764,17 @@ def fold_mx_rows(data, scales, out_scales, num_rows, block_r: int = 32, num_warp
 
 
 @triton.jit
+def _clamp_max(x, c):
+    """torch.clamp(x, max=c): a NaN stays NaN (Triton's minimum would return c)."""
+    return tl.minimum(x, c, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _clamp_min(x, c):
+    return tl.maximum(x, c, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _gate_up_cols(j, CHUNK: tl.constexpr):
     """Columns of the interleaved fc1 output holding gate and up of activation column j."""
     gate = (j // CHUNK) * (2 * CHUNK) + j % CHUNK
@@ -804,8 +815,8 @@ def _swiglu_forward_kernel(
     g = tl.load(h + rows[:, None] * h_stride + gc[None, :], mask=rmask[:, None], other=0).to(tl.float32)
     u = tl.load(h + rows[:, None] * h_stride + uc[None, :], mask=rmask[:, None], other=0).to(tl.float32)
     if HAS_CLAMP:
-        g = tl.minimum(g, clamp)
-        u = tl.minimum(tl.maximum(u, -clamp), clamp)
+        g = _clamp_max(g, clamp)
+        u = _clamp_max(_clamp_min(u, -clamp), clamp)
     w = tl.load(row_weight + rows, mask=rmask, other=0)
     a = g / (1.0 + tl.exp(-g)) * u * w[:, None]
     if QUANT:
@@ -911,17 +922,17 @@ def _swiglu_backward_kernel(
         if HAS_CLAMP:
             g_pass = g <= clamp
             u_pass = (u >= -clamp) & (u <= clamp)
-            g = tl.minimum(g, clamp)
-            u = tl.minimum(tl.maximum(u, -clamp), clamp)
+            g = _clamp_max(g, clamp)
+            u = _clamp_max(_clamp_min(u, -clamp), clamp)
         sig = 1.0 / (1.0 + tl.exp(-g))
         silu = g * sig
         dw += tl.sum(da * silu * u, axis=1)
         ds = da * w[:, None]
         dg = ds * u * sig * (1.0 + g * (1.0 - sig))
         du = ds * silu
-        if HAS_CLAMP:
-            dg = tl.where(g_pass, dg, 0.0)
-            du = tl.where(u_pass, du, 0.0)
+        if HAS_CLAMP:  # multiplied by the masks, as expert_math does (a NaN stays NaN)
+            dg = dg * g_pass.to(tl.float32)
+            du = du * u_pass.to(tl.float32)
         out_ty = grad_h.dtype.element_ty
         tl.store(grad_h + rows[:, None] * gh_stride + j[None, :], dg.to(out_ty), mask=rmask[:, None])
         tl.store(grad_h + rows[:, None] * gh_stride + inter + j[None, :], du.to(out_ty), mask=rmask[:, None])
