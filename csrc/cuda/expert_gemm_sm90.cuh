@@ -180,13 +180,25 @@ __device__ __forceinline__ float e4m3_quotient(float x, float scale, float recip
 }
 
 // silu(min(g, c)) * clamp(u, -c, c) * w from the bf16-rounded gate and up values.
+// min / max that keep a NaN operand (torch.clamp's rule; fminf / fmaxf return the other one)
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 __device__ __forceinline__ float2 swiglu_pair(const Params& p, uint32_t gate_bits, uint32_t up_bits, float w) {
   float2 g = unpack_bf16(gate_bits), u = unpack_bf16(up_bits);
   if (p.has_clamp) {
-    g.x = fminf(g.x, p.clamp);
-    g.y = fminf(g.y, p.clamp);
-    u.x = fminf(fmaxf(u.x, -p.clamp), p.clamp);
-    u.y = fminf(fmaxf(u.y, -p.clamp), p.clamp);
+    g.x = min_nan(g.x, p.clamp);
+    g.y = min_nan(g.y, p.clamp);
+    u.x = min_nan(max_nan(u.x, -p.clamp), p.clamp);
+    u.y = min_nan(max_nan(u.y, -p.clamp), p.clamp);
   }
   // approximate division, as the Triton SwiGLU kernel's
   return make_float2(__fdividef(g.x, 1.0f + __expf(-g.x)) * u.x * w, __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y * w);
