@@ -1,29 +1,48 @@
 """The launcher names the rank that failed first: a peer that a failed rank leaves blocked in a
-collective fails a moment later, and both may have ended by the time the launcher looks."""
+collective fails a moment later, and both may have ended by the time the launcher looks. The
+launcher runs in a process of its own, as `megamoe-train` does (at its end it stops
+multiprocessing's resource tracker, which pytest's own rank pools share)."""
 
 import os
-import time
+import subprocess
+import sys
+import textwrap
 
-from megamoe_trainer.supervisor import EXIT_RANK_FAILED, _Ranks, run_ranks
+from megamoe_trainer.supervisor import _Ranks
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def _root_cause_then_collateral(rank: int, marker_dir: str):
-    """Rank 1 fails first; rank 0 fails once rank 1's failure is on record, as a rank waiting on
-    it in a collective would."""
-    if rank == 1:
-        raise RuntimeError("the root cause")
-    deadline = time.monotonic() + 60
-    run_tmp = os.path.dirname(os.environ["TMPDIR"])
-    while not os.path.exists(os.path.join(run_tmp, "r1", "failed_at")):
-        assert time.monotonic() < deadline, "rank 1 never failed"
-        time.sleep(0.001)
-    raise RuntimeError("connection reset by peer")
+_LAUNCHER = textwrap.dedent(
+    """
+    import os, sys, time
+    from megamoe_trainer.supervisor import run_ranks
+
+    def root_cause_then_collateral(rank):
+        # rank 1 fails first; rank 0 once rank 1's failure is on record, as a rank waiting on it
+        # in a collective would
+        if rank == 1:
+            raise RuntimeError("the root cause")
+        deadline = time.monotonic() + 60
+        run_tmp = os.path.dirname(os.environ["TMPDIR"])
+        while not os.path.exists(os.path.join(run_tmp, "r1", "failed_at")):
+            assert time.monotonic() < deadline, "rank 1 never failed"
+            time.sleep(0.001)
+        raise RuntimeError("connection reset by peer")
+
+    if __name__ == "__main__":
+        end = run_ranks(root_cause_then_collateral, 2, ())
+        print(end.code, end.message)
+    """
+)
 
 
 def test_the_first_rank_to_fail_is_the_one_reported(tmp_path):
-    end = run_ranks(_root_cause_then_collateral, 2, (str(tmp_path),))
-    assert end.code == EXIT_RANK_FAILED
-    assert end.message == "rank 1 failed: RuntimeError: the root cause", end.message
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "1 rank 1 failed: RuntimeError: the root cause", run.stdout
 
 
 def _record(run_tmp, rank, failed_at=None):
