@@ -289,14 +289,11 @@ def test_executor_report(monkeypatch):
     pytest.importorskip("triton", reason="the GPU executor's checks import triton_backend")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    mx = make(moe_megamoe_recipe="mxfp8_mxfp4", hidden_size=256, moe_ffn_hidden_size=384, params_dtype=torch.bfloat16)
-    assert describe_megamoe_executor(mx, cuda).startswith("reference (the GPU executor cannot: recipe 'mxfp8_mxfp4'")
-    assert (
-        describe_megamoe_executor(
-            make(moe_megamoe_recipe="fp8", hidden_size=256, moe_ffn_hidden_size=384, params_dtype=torch.bfloat16), cuda
-        )
-        == "triton"
-    )
-    assert describe_megamoe_executor(mx, torch.device("cpu")) == "reference"
+    fp32 = make(moe_megamoe_recipe="fp8", hidden_size=256, moe_ffn_hidden_size=384, params_dtype=torch.float32)
+    assert describe_megamoe_executor(fp32, cuda).startswith("reference (the GPU executor cannot: dtype torch.float32")
+    for recipe in ("fp8", "mxfp8_mxfp4"):
+        cfg = make(moe_megamoe_recipe=recipe, hidden_size=256, moe_ffn_hidden_size=384, params_dtype=torch.bfloat16)
+        assert describe_megamoe_executor(cfg, cuda) == "triton"
+    assert describe_megamoe_executor(fp32, torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="'triton' cannot run recipe 'mxfp8_mxfp4'"):
         describe_megamoe_executor(make(moe_megamoe_recipe="mxfp8_mxfp4", moe_megamoe_backend="triton"), cuda)
