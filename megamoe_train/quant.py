@@ -399,7 +399,7 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent.to(torch.int32) + _UE8M0_BIAS) << 23).view(torch.float32)
 
 
-def _fold(values: torch.Tensor, exponents: torch.Tensor, nan: torch.Tensor, block_max: torch.Tensor, nan_block):
+def _fold(values: torch.Tensor, exponents: torch.Tensor, block_max: torch.Tensor, nan_block: torch.Tensor):
     """values [..., 32-blocks, 32] (fp32, each block's own scale divided out) -> e4m3 values against
     block_max (broadcast to the 32-blocks), NaN where nan_block."""
     # below 2^-30 every element rounds to 0 on e4m3's grid (its smallest step is 2^-9): clamping
@@ -431,9 +431,7 @@ def fold_mx_act(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
     block_max = groups.amax(dim=-1)  # [..., K/128]
     nan_block = nan.unflatten(-1, (-1, 4)).any(dim=-1)
     values = data.float().unflatten(-1, (-1, 32))  # [..., K/32, 32]
-    folded = _fold(
-        values, exponents, nan, block_max.repeat_interleave(4, dim=-1), nan_block.repeat_interleave(4, dim=-1)
-    )
+    folded = _fold(values, exponents, block_max.repeat_interleave(4, dim=-1), nan_block.repeat_interleave(4, dim=-1))
     return folded.flatten(-2), _fold_scales(block_max, nan_block)
 
 
@@ -459,7 +457,7 @@ def fold_mx_weight(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     per_row = block_max.repeat_interleave(MX_FOLD_BLOCK, dim=-2).repeat_interleave(4, dim=-1)  # [..., N, K/32]
     nan_row = nan_block.repeat_interleave(MX_FOLD_BLOCK, dim=-2).repeat_interleave(4, dim=-1)
     values = _e2m1_decode(unpack_fp4(data)).unflatten(-1, (-1, 32))  # [..., N, K/32, 32]
-    folded = _fold(values, exponents, nan, per_row, nan_row)
+    folded = _fold(values, exponents, per_row, nan_row)
     return folded.flatten(-2), _fold_scales(block_max, nan_block)
 
 
