@@ -18,8 +18,9 @@ device-to-device copy). Outputs are checked equal to the torch path's before tim
 
 mxfp4: the mxfp8_mxfp4 recipe's weight preparation (E2M1, ue8m0 scales in 1 x 32 blocks), same
 shapes: the torch ops (use_kernel=False) against the E2M1 kernel as quantize_expert_weights runs it
-(no transposed copy), swept over tiles and num_warps, and the kernel with the transposed copy.
-Floors as for fp8; outputs checked equal to the torch path's first.
+(no transposed copy), swept over tiles and num_warps, and the kernel with the transposed copy;
+then what the GPU executor derives from the E2M1 weights (the expert GEMM's shifts, the fold to
+e4m3). Floors as for fp8; outputs checked equal to the torch path's first.
 
 adapter: the issue-9 comparison: before vs after the
 stacked expert parameters, DeepSeek-V3 proxy shapes (256 experts over EP=2, H=2048, I=512,
@@ -44,7 +45,7 @@ from timing import hbm_bandwidth, median_ms
 
 from megamoe_train import MegaMoEConfig
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import quantize_weight
+from megamoe_train.quant import mx_weight_shifts, quantize_weight
 from megamoe_train.weights import clear_weight_cache, interleave_gate_up, quantize_expert_weights, transform_weights
 
 SHAPES = {"S1": (128, 4096, 2048), "S4": (128, 7168, 2048)}  # (E_local, H, I)
@@ -299,7 +300,22 @@ def mxfp4(args):
                 lambda: (K.quantize_e2m1_blocks(w1, chunk=chunk), K.quantize_e2m1_blocks(w2)),
                 floor_t,
             )
-            del w1, w2
+            # what the GPU executor derives per weight version: the shifts and block scales of the
+            # expert GEMM that expands E2M1 (torch ops over the scales), and the fold to e4m3 (only
+            # where that GEMM is not built, and for the dgrad's compute copies)
+            ew = quantize_expert_weights(w1, w2, cfg)
+            scale_bytes = n // 32
+            row(
+                "shifts + block scales (mx_weight_shifts, torch ops)",
+                lambda: (mx_weight_shifts(ew.w1_scales), mx_weight_shifts(ew.w2_scales)),
+                2 * scale_bytes / bw * 1e3,
+            )
+            row(
+                "fold to e4m3 (fold_e2m1_blocks)",
+                lambda: (K.fold_e2m1_blocks(ew.w1, ew.w1_scales), K.fold_e2m1_blocks(ew.w2, ew.w2_scales)),
+                (layout_bytes + n + n // (128 * 128) * 4) / bw * 1e3,
+            )
+            del w1, w2, ew
 
 
 def main():
