@@ -120,12 +120,12 @@ class ExpertWeights:
             return self.w1, self.w1_scales, self.w2, self.w2_scales
         cached = self.__dict__.get("_mma_operands")
         if cached is None:
-            cached = self._folded(use_kernel)
+            cached = self._folded(_prep_kernels(self.w1.device, use_kernel))
             self.__dict__["_mma_operands"] = cached
         return cached
 
-    def _folded(self, use_kernel: bool | None):
-        kernels = _prep_kernels(self.w1.device, use_kernel)
+    def _folded(self, kernels: WeightKernels | None):
+        """fold_mx_weight of both weights: by the supplied kernels, else the torch ops."""
         fold = kernels.fold_e2m1_blocks if kernels is not None else fold_mx_weight
         return (*fold(self.w1, self.w1_scales), *fold(self.w2, self.w2_scales))
 
@@ -163,13 +163,16 @@ class ExpertWeights:
             # quant.py's MX section), deinterleaved after (chunks of 8 rows split its blocks).
             kernel_format = _kernel_format(recipe)
             kernels = _prep_kernels(self.w1.device, use_kernel) if kernel_format else None
-            if kernels is not None and dtype in kernels.master_dtypes(self.w1.device) and kernel_format == "e4m3":
+            if kernels is not None and dtype not in kernels.master_dtypes(self.w1.device):
+                kernels = None
+            if kernels is not None and kernel_format == "e4m3":
                 block = recipe.weight_block
                 w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
                 w2 = kernels.dequantize_blocks(self.w2, self.w2_scales, dtype, block)
-            elif kernels is not None and dtype in kernels.master_dtypes(self.w1.device) and recipe.mx:
-                # folded for this only, not kept: the expert GEMM reads the packed weights
-                w1_f, w1_fs, w2_f, w2_fs = self._folded(use_kernel)
+            elif kernels is not None:  # e2m1
+                # the fold the GEMMs read where they read one, else one for this only, not kept
+                # (the expert GEMM reads the packed weights)
+                w1_f, w1_fs, w2_f, w2_fs = self.__dict__.get("_mma_operands") or self._folded(kernels)
                 block = (128, 128)
                 w1 = deinterleave_gate_up(kernels.dequantize_blocks(w1_f, w1_fs, dtype, block), self.chunk)
                 w2 = kernels.dequantize_blocks(w2_f, w2_fs, dtype, block)

@@ -396,9 +396,11 @@ def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
 # whole call; the L1 one with clamp + SwiGLU + topk weight + e4m3 requantization in its epilogue.
 
 
-def _fp8_expert_operands(fn: str, a, a_scales, b, b_scales, group_ends, out, n_out: int):
+def _fp8_expert_operands(fn: str, a, a_scales, b, b_scales, group_ends, out, n_out: int, packed: bool = False):
+    """The shared checks of our expert GEMMs' operands; packed: b is E2M1, uint8 [G, N, K/2]."""
+    b_k = "K/2" if packed else "K"
     if a.dim() != 2 or b.dim() != 3:
-        raise ValueError(f"{fn}: a [P, K] and b [G, N, K] expected, got shapes {list(a.shape)} and {list(b.shape)}")
+        raise ValueError(f"{fn}: a [P, K] and b [G, N, {b_k}] expected, got shapes {list(a.shape)} and {list(b.shape)}")
     P, K = a.shape
     G, N = b.shape[0], b.shape[1]
     dev = a.device
@@ -408,7 +410,10 @@ def _fp8_expert_operands(fn: str, a, a_scales, b, b_scales, group_ends, out, n_o
         raise ValueError(f"{fn}: 1 to 1024 groups, got {G}")
     _check(fn, "a", a, torch.float8_e4m3fn, (P, K), dev)
     _check(fn, "a_scales", a_scales, torch.float32, (P, K // SCALE_BLOCK), dev)
-    _check(fn, "b", b, torch.float8_e4m3fn, (G, N, K), dev)
+    if packed:
+        _check(fn, "b", b, torch.uint8, (G, N, K // 2), dev)
+    else:
+        _check(fn, "b", b, torch.float8_e4m3fn, (G, N, K), dev)
     _check(fn, "b_scales", b_scales, torch.float32, (G, N // SCALE_BLOCK, K // SCALE_BLOCK), dev)
     _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
     _check(fn, "out", out, torch.bfloat16, (P, n_out), dev)
@@ -457,22 +462,10 @@ def fp8_expert_gemm_mx(a, a_scales, b, b_shifts, b_scales, group_ends, out, vari
     bit for bit. a e4m3 [P, K] + fp32 [P, K/128] (quant.fold_mx_act's operand); out bf16 [P, N].
     variant as fp8_expert_gemm's, on the staged schedule only (0, 1, 4, 5, + 16). Returns out."""
     fn = "fp8_expert_gemm_mx"
-    if b.dim() != 3 or a.dim() != 2:
-        raise ValueError(f"{fn}: a [P, K] and b [G, N, K/2] expected, got {list(a.shape)} and {list(b.shape)}")
-    G, N, K = b.shape[0], b.shape[1], 2 * b.shape[2]
-    P, dev = a.shape[0], a.device
-    if K % SCALE_BLOCK or N % SCALE_BLOCK or K == 0 or a.shape[1] != K:
-        raise ValueError(f"{fn}: N={N} and K={K} must be multiples of {SCALE_BLOCK} (K > 0), a [P, {K}]")
-    if not 0 < G <= 1024:
-        raise ValueError(f"{fn}: 1 to 1024 groups, got {G}")
-    _check(fn, "a", a, torch.float8_e4m3fn, (P, K), dev)
-    _check(fn, "a_scales", a_scales, torch.float32, (P, K // SCALE_BLOCK), dev)
-    _check(fn, "b", b, torch.uint8, (G, N, K // 2), dev)
+    n_out = b.shape[1] if b.dim() == 3 else 0
+    P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, out, n_out, packed=True)
     _check(fn, "b_shifts", b_shifts, torch.uint8, (G, N // SCALE_BLOCK, K // SCALE_BLOCK, SCALE_BLOCK, 4), dev)
-    _check(fn, "b_scales", b_scales, torch.float32, (G, N // SCALE_BLOCK, K // SCALE_BLOCK), dev)
-    _check(fn, "group_ends", group_ends, torch.int32, (G,), dev)
-    _check(fn, "out", out, torch.bfloat16, (P, N), dev)
-    _tma_operands_on_cuda(fn, dict(a=a, b=b, b_shifts=b_shifts))
+    _tma_operands_on_cuda(fn, dict(b_shifts=b_shifts))
     _cuda.expert_gemm_mx(
         a.data_ptr(),
         a_scales.data_ptr(),
