@@ -11,7 +11,14 @@ import torch
 from megamoe_train import expert_math
 from megamoe_train.backends import cutlass_gemm
 from megamoe_train.precision import get_recipe
-from megamoe_train.quant import dequantize_act, dequantize_weight, quantize_act, quantize_weight
+from megamoe_train.quant import (
+    dequantize_act,
+    dequantize_weight,
+    fold_mx_weight,
+    mx_weight_shifts,
+    quantize_act,
+    quantize_weight,
+)
 from megamoe_train.weights import interleave_gate_up
 
 pytestmark = pytest.mark.gpu
@@ -239,8 +246,6 @@ def test_mx_expands_to_the_folded_weights_bit_for_bit(sizes, n, k, variant):
     """fp8_expert_gemm_mx (E2M1 expanded in shared memory) == fp8_expert_gemm on
     quant.fold_mx_weight's e4m3 weights: the same products in the same order, so the same bits;
     rows past the groups stay poisoned."""
-    from megamoe_train.quant import fold_mx_weight, mx_weight_shifts
-
     aq, a_s, _, _, ends = make_case(sizes, n, k, seed=n + k)
     packed, scales = mx_weights(len(sizes), n, k, seed=n * k)
     folded, folded_scales = fold_mx_weight(packed, scales)
@@ -263,8 +268,6 @@ def test_mx_expands_to_the_folded_weights_bit_for_bit(sizes, n, k, variant):
 def test_mx_refuses_the_first_schedule_and_bad_operands():
     aq, a_s, _, _, ends = make_case([100, 60], 256, 256)
     packed, scales = mx_weights(2, 256, 256, seed=3)
-    from megamoe_train.quant import mx_weight_shifts
-
     shifts, block_scales = mx_weight_shifts(scales)
     out = torch.empty(aq.shape[0], 256, dtype=torch.bfloat16, device=aq.device)
     with pytest.raises(RuntimeError, match="staged schedule"):
