@@ -59,11 +59,7 @@ from . import triton_kernels as K_
 
 GROUP_ALIGN = 16  # rows per expert group in the pool where the GEMMs take any group ends
 WGRAD_BLOCK = 128  # quantized wgrads: 1x128 blocks along the pool rows, which must not span two experts
-# The fp8 grouped GEMMs (forward and dgrad): "auto" (CUTLASS where built), "expert" (our persistent
-# expert GEMM, csrc/cuda/expert_gemm.h, on tall tiles with dead slices skipped: EXPERT_GEMM_VARIANT)
-# or "triton" (the Triton block-scaled kernel).
-_FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")
-EXPERT_GEMM_VARIANT = 48
+_FP8_GEMM = os.environ.get("MEGAMOE_FP8_GEMM", "auto")  # "auto" (CUTLASS where built) or "triton"
 # Non-fused bf16 wgrads: "torch" (K-grouped torch._grouped_mm) or "cutlass" (our store kernel,
 # cutlass_gemm.bf16_wgrad_grouped_gemm); torch by default: ours was within noise of it in the
 # layer (S1 fp8 forward+backward 13.688 against 13.652 ms).
@@ -163,8 +159,6 @@ def _fused_fp8_forward(cfg, weights: ExpertWeights, device: torch.device) -> boo
 
 def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
     """out[rows of expert e] = (a * a_scales)[rows] @ (b[e] * b_scales[e])^T."""
-    if _FP8_GEMM == "expert" and cutlass_gemm.has_expert_gemm(a.device) and b.shape[0] <= 1024:
-        return cutlass_gemm.fp8_expert_gemm(a, a_scales, b, b_scales, plan.expert_ends, out, EXPERT_GEMM_VARIANT)
     if _cutlass_fp8(a.device):
         return cutlass_gemm.fp8_grouped_gemm(a, a_scales, b, b_scales, plan.expert_ends, out)
     return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
