@@ -226,14 +226,12 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {  // named barrier 1 + w
 }
 
 // A math warpgroup's 64 staged rows (kChunks 16-byte pieces each) to dst rows row0.., stride
-// bytes apart, rows at or past m_end skipped: two whole rows per warp store. kUnroll: the stores
-// in flight per thread (their 4 registers each; tall tiles hold a second accumulator meanwhile).
-template <int kChunks, int kUnroll = 64 * kChunks / 128>
+// bytes apart, rows at or past m_end skipped: two whole rows per warp store.
+template <int kChunks>
 __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, size_t stride, int row0, int m_end,
                                          int wt) {
-#pragma unroll kUnroll
-  for (int i = 0; i < 64 * kChunks / 128; ++i) {
-    const int c = wt + 128 * i;
+#pragma unroll
+  for (int c = wt; c < 64 * kChunks; c += 128) {
     int r = c / kChunks, j = c % kChunks;
     if (row0 + r < m_end) {
       uint4 v = *reinterpret_cast<const uint4*>(staging + r * kStagingPitch + 16 * j);
@@ -618,8 +616,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
       }
     }
     warpgroup_sync(wg);
-    copy_out<2 * kBlockN / 16, kSlices == 1 ? kBlockN / 16 : 2>(staging, reinterpret_cast<uint8_t*>(p.out + col),
-                                                                 size_t(p.n) * 2, row0, t.m_end, wt);
+    copy_out<2 * kBlockN / 16>(staging, reinterpret_cast<uint8_t*>(p.out + col), size_t(p.n) * 2, row0, t.m_end, wt);
     if constexpr (kSwiGLU) {
       if (up) {  // one 1x128 scale block per row: this thread's 32 columns, then the quad's
         float scale[2], recip[2];
@@ -753,33 +750,28 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   for (int step = 0; step < steps; ++step) {
     if (++kb == KB) {  // a new block: the one accumulated so far waits for its epilogue
       kb = 0;
-      if constexpr (kSlices == 1) {  // (tall tiles: decoded again for the epilogue, fewer registers held)
-        done = tile;
-        done_col = out_col;
-      }
+      done = tile;
+      done_col = out_col;
       if (++half == kHalves) {
         half = 0;
         unit += unit_stride;
         tile = decode<kTileRows>(s, G, units_per_tile, unit);
       }
       out_col = (kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN) + half * p.chunk;
-      if constexpr (kSlices == 1) {
-        b_scale = p.b_scales + (size_t(tile.group) * NB + out_col / kBlockN) * KB;
-        a_scale0 = p.a_scales + size_t(min(tile.m0 + tile_row, p.pool_rows - 1)) * KB;
-        a_scale1 = p.a_scales + size_t(min(tile.m0 + tile_row + 8, p.pool_rows - 1)) * KB;
-      }
+      b_scale = p.b_scales + (size_t(tile.group) * NB + out_col / kBlockN) * KB;
+      a_scale0 = p.a_scales + size_t(min(tile.m0 + tile_row, p.pool_rows - 1)) * KB;
+      a_scale1 = p.a_scales + size_t(min(tile.m0 + tile_row + 8, p.pool_rows - 1)) * KB;
     }
     const bool block_done = kb == 0 && step > 0;
     // (not deferred) an up block's epilogue (SwiGLU, the requantization) needs more registers
     // than fit beside a wgmma in flight, so it runs first; plain and gate blocks run under the wgmmas
     if (!kDeferred && kSwiGLU && block_done && half == 0) epilogue(done, done_col, true, 0);
-    // tall tiles: the scales' addresses made each step from the tile (no pointers held across it)
-    const float sb = kSlices == 1 ? __ldg(b_scale + kb)
-                                  : __ldg(p.b_scales + (size_t(tile.group) * NB + tile.block) * KB + kb);
+    const float sb = __ldg(b_scale + kb);
 #pragma unroll
     for (int j = 0; j < kSlices; ++j) {
+      // slice 1's scale rows, 128 further, from slice 0's pointers (no more registers held)
       float s0, s1;
-      if constexpr (kSlices == 1) {
+      if (j == 0) {
         s0 = __ldg(a_scale0 + kb) * sb;
         s1 = __ldg(a_scale1 + kb) * sb;
       } else {
@@ -799,12 +791,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
         }
         if (pass < kPasses && (pass_every_step || (kb & 1))) swiglu_pass();
       } else if (block_done && !(kSwiGLU && half == 0)) {
-        if constexpr (kSlices == 1) {
-          epilogue(done, done_col, false, j);
-        } else {  // plain: the finished block is the previous unit's
-          const Tile d = decode<kTileRows>(s, G, units_per_tile, unit - unit_stride);
-          epilogue(d, d.block * kBlockN, false, j);
-        }
+        epilogue(done, done_col, false, j);
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(scratch);
