@@ -117,8 +117,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
 
     # variants (csrc/cuda/expert_gemm.h): 0 the staged schedule with CTA pairs (SwiGLU deferred
     # into passes), 8 its SwiGLU epilogue in place, 1 without pairs, 4 with pairs but the math
-    # warpgroups not staggered, 2 the first schedule with pairs; + 16 a tile's dead halves skipped;
-    # + 32 tall tiles (256 rows, plain GEMMs only)
+    # warpgroups not staggered, 2 the first schedule with pairs; + 16 a tile's dead halves skipped
     t = {
         name: median_ms(fn, iters=20, warmup=3)
         for name, fn in (
@@ -139,8 +138,6 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
             ("dead skipped L1+SwiGLU", lambda: fused_l1(16)),
             ("dead skipped L1 plain", lambda: ours_l1_plain(16)),
             ("dead skipped L2", lambda: l2_ours(16)),
-            ("tall L1 plain", lambda: ours_l1_plain(48)),
-            ("tall L2", lambda: l2_ours(48)),
             ("mx L1", mx_l1),
             ("mx L2", mx_l2),
             ("folded L1", folded_l1),
@@ -156,7 +153,6 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     first = t["first L1+SwiGLU"] + t["first L2"]
     unstaggered = t["unstaggered L1+SwiGLU"] + t["unstaggered L2"]
     skipped = t["dead skipped L1+SwiGLU"] + t["dead skipped L2"]
-    tall = t["tall L1 plain"] + t["split SwiGLU"] + t["tall L2"]
     # the MX weights' floor: half of e4m3's weight bytes
     mx_floor1 = max(f1 / (fp8_rate * 1e12), (bytes1 - G * 2 * I * H / 2) / hbm) * 1e3
     mx_floor2 = max(f2 / (fp8_rate * 1e12), (bytes2 - G * H * I / 2) / hbm) * 1e3
@@ -187,9 +183,6 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
         f"({tf(f1, t['dead skipped L1+SwiGLU'])}); plain {t['dead skipped L1 plain']:.3f} "
         f"({tf(f1, t['dead skipped L1 plain'])}) | - | "
         f"{t['dead skipped L2']:.3f} ({tf(f2, t['dead skipped L2'])}) | {skipped:.3f} | {floor1 + floor2:.3f} | |",
-        f"| {shape} | {G} | {useful} | {P} | tall tiles, dead slices skipped (plain L1, split SwiGLU) | "
-        f"{t['tall L1 plain']:.3f} ({tf(f1, t['tall L1 plain'])}) | {t['split SwiGLU']:.3f} | "
-        f"{t['tall L2']:.3f} ({tf(f2, t['tall L2'])}) | {tall:.3f} | {floor1 + floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | mxfp4 weights expanded in smem (plain L1) | {t['mx L1']:.3f} "
         f"({tf(f1, t['mx L1'])}) | - | {t['mx L2']:.3f} ({tf(f2, t['mx L2'])}) | {t['mx L1'] + t['mx L2']:.3f} "
         f"| {mx_floor1 + mx_floor2:.3f} | {'same bits as folded' if mx_same else 'OTHER BITS than folded'} |",

@@ -66,7 +66,7 @@ def rel_err(x, ref):
 @needs_kernel
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152), (512, 384)])
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 16, 17, 18, 20, 32, 33, 36, 48, 49, 53])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 16, 17, 18, 20])
 def test_plain_matches_dequantized_product(sizes, n, k, variant):
     aq, a_s, bq, b_s, ends = make_case(sizes, n, k)
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
@@ -81,9 +81,8 @@ def test_plain_matches_dequantized_product(sizes, n, k, variant):
         cutlass_gemm.fp8_grouped_gemm(aq, a_s, bq, b_s, ends, cut)
         assert rel_err(out[:live], cut[:live].float()) < 4e-3
     again = torch.full_like(out, float("nan"))
-    # another variant: the next one, or with dead halves skipped (tall tiles) the same one without
-    other = (variant + 1) % 6 if variant < 16 else variant - 32 if variant >= 32 else variant - 16
-    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, other)
+    # another variant: the next one, or with dead halves skipped the same one without
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, again, (variant + 1) % 6 if variant < 16 else variant - 16)
     assert torch.equal(out[:live], again[:live]), "not bitwise repeatable (or the variants differ)"
 
 
@@ -210,8 +209,7 @@ def test_rejects_bad_operands():
         cutlass_gemm.fp8_expert_gemm_swiglu(aq, a_s, bq, b_s, ends, row_w, 128, None, h, act, scales[:, :1])
     with pytest.raises(ValueError, match="group_ends"):
         cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends.long(), h)
-    # the in-place SwiGLU epilogue (8) has no plain counterpart; tall tiles (32) not on the first schedule
-    for variant in (6, 8, 24, 34, 40, 64, -1):
+    for variant in (6, 8, 24, 32, -1):  # the in-place SwiGLU epilogue (8) has no plain counterpart
         with pytest.raises(RuntimeError, match="variant"):
             cutlass_gemm.fp8_expert_gemm(aq, a_s, bq, b_s, ends, h, variant)
     for variant in (10, 14, 26, 32):

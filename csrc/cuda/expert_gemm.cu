@@ -33,15 +33,15 @@ struct Launch {
   int grid = 0;
 };
 
-template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false, int kSlices = 1>
+template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false>
 const char* run(const Params& p, int device, cudaStream_t stream) {
   static std::mutex mutex;
   static std::unordered_map<int, Launch> launches;
   // + alignment slack
   constexpr int buffers = expert_sm90::staging_buffers(kStaged, kDeferred);
-  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<buffers, kMx, kSlices>) + 1024;
+  constexpr size_t smem = sizeof(expert_sm90::SharedStorage<buffers, kMx>) + 1024;
   static_assert(smem <= 227 * 1024, "shared memory per block on sm_90");
-  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kCluster, kStaged, kStagger, kDeferred, kMx, kSlices>;
+  auto kernel = expert_sm90::expert_gemm_kernel<kSwiGLU, kCluster, kStaged, kStagger, kDeferred, kMx>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -80,19 +80,18 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-// expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU, bit 4 with any,
-// bit 5 (tall tiles) only for the plain GEMM on the staged schedule
+// expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU, bit 4 with any
 bool valid_variant(int variant, bool swiglu) {
-  if (variant < 0 || variant > 63 || ((variant & 8) && !swiglu) || ((variant & 32) && swiglu)) return false;
-  return !((variant & 2) && (variant & 44));
+  if (variant < 0 || variant > 31 || ((variant & 8) && !swiglu)) return false;
+  return !((variant & 2) && (variant & 12));
 }
 
 // Clusters of 2 only: 4-CTA clusters sharing A (a quarter each) measured 6-19% slower than
 // pairs in every GEMM of bench_expert_gemm (2026-12-04, docs/decisions.md).
-template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false, int kSlices = 1>
+template <bool kSwiGLU, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false>
 const char* run_clustered(int cluster, const Params& p, int device, cudaStream_t stream) {
-  if (cluster == 2) return run<kSwiGLU, 2, kStaged, kStagger, kDeferred, kMx, kSlices>(p, device, stream);
-  return run<kSwiGLU, 1, kStaged, kStagger, kDeferred, kMx, kSlices>(p, device, stream);
+  if (cluster == 2) return run<kSwiGLU, 2, kStaged, kStagger, kDeferred, kMx>(p, device, stream);
+  return run<kSwiGLU, 1, kStaged, kStagger, kDeferred, kMx>(p, device, stream);
 }
 
 // kMx: B packed E2M1 [G, N, K/2] with b_shifts and b_scales (quant.mx_weight_shifts); the plain GEMM
@@ -107,9 +106,8 @@ const char* launch(const ExpertGemmArgs& a) {
     return "chunk must be a multiple of 128 dividing N/2";
   if (!valid_variant(a.variant, kSwiGLU))
     return kSwiGLU ? "variant must be in [0, 31], bit 1 without bits 2 and 3 (expert_gemm.h)"
-                   : "variant must be in [0, 63] without bit 3, bit 1 without bits 2 and 5 (expert_gemm.h)";
+                   : "variant must be in [0, 31] without bit 3, bit 1 without bit 2 (expert_gemm.h)";
   if (kMx && (a.variant & 2)) return "E2M1 weights run on the staged schedule only: variant without bit 1";
-  if (kMx && (a.variant & 32)) return "E2M1 weights: no tall tiles (variant without bit 5)";
   if (kMx && (a.n % expert_sm90::kBlockN || !a.b_shifts)) return "E2M1 weights need N % 128 == 0 and b_shifts";
   // the staged epilogue's 16-byte row stores
   if (!(a.variant & 2) && ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.act)) % 16))
@@ -147,11 +145,6 @@ const char* launch(const ExpertGemmArgs& a) {
                    : run_clustered<false, true, false, false, true>(cluster, p, a.device, stream);
   }
   if (a.variant & 2) return run_clustered<kSwiGLU, false, false, false>(cluster, p, a.device, stream);
-  if constexpr (!kSwiGLU) {
-    if (a.variant & 32)
-      return stagger ? run_clustered<false, true, true, false, false, 2>(cluster, p, a.device, stream)
-                     : run_clustered<false, true, false, false, false, 2>(cluster, p, a.device, stream);
-  }
   if constexpr (kSwiGLU) {
     if (!(a.variant & 8))
       return stagger ? run_clustered<true, true, true, true>(cluster, p, a.device, stream)

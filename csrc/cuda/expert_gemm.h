@@ -41,9 +41,7 @@ struct ExpertGemmArgs {
   // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
   // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas;
   // bit 4 set: a tile's 64-row halves (a pair CTA's shares) wholly past the group's end are not
-  // loaded, and on the staged schedule their math warpgroup issues no wgmma (same bits);
-  // bit 5 set (plain e4m3 GEMM, staged only): tall tiles of 256 rows, each math warpgroup two
-  // 64-row slices (a group of up to 256 rows is one tile; B read once for them; 3 stages)
+  // loaded, and on the staged schedule their math warpgroup issues no wgmma (same bits)
   int variant;
   void* stream;
   int device;

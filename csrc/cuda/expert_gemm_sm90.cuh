@@ -86,15 +86,13 @@ using TiledMma = decltype(make_tiled_mma(
 
 // 32 KB per stage (A and B tiles), beside the math warpgroups' staging buffers (kBuffers of 17 KB:
 // none for the first schedule, one each for the staged schedule, two each, a unit's gate and up
-// blocks, for its deferred SwiGLU epilogue): 6, 5 or 4 stages, what fits in 227 KB. kSlices = 2
-// (tall tiles of 256 rows): a stage holds two 128-row A slabs (48 KB), so 3 stages.
-template <int kBuffers, bool kMx = false, int kSlices = 1>
+// blocks, for its deferred SwiGLU epilogue): 6, 5 or 4 stages, what fits in 227 KB.
+template <int kBuffers, bool kMx = false>
 struct alignas(1024) SharedStorage {
   // kMx: 4 stages, each with its packed B rows (8.5 KB more a stage)
-  static constexpr int kStages = kSlices == 2 ? 3 : kMx ? 4 : kBuffers == 0 ? 6 : kBuffers == 2 ? 5 : 4;
-  // A slab (stage, slice) at index kSlices * stage + slice: each slab a 128 x 128 tile, 16 KB
+  static constexpr int kStages = kMx ? 4 : kBuffers == 0 ? 6 : kBuffers == 2 ? 5 : 4;
   using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                         Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages * kSlices>>{}));
+                                         Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{}));
   using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                          Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{}));
   cute::array_aligned<Element, cosize_v<LayoutA>, 1024> a;
@@ -140,7 +138,7 @@ struct Tile {
   int group, m0, m_end, block;
 };
 
-template <int kTileRows, class Storage>
+template <class Storage>
 __device__ __forceinline__ Tile decode(const Storage& s, int num_groups, int units_per_tile, int unit) {
   int t = unit / units_per_tile;
   int lo = 0, hi = num_groups - 1;
@@ -150,7 +148,7 @@ __device__ __forceinline__ Tile decode(const Storage& s, int num_groups, int uni
   }
   int first_tile = lo ? s.tile_ends[lo - 1] : 0;
   int start = lo ? s.group_ends[lo - 1] : 0;
-  return {lo, start + (t - first_tile) * kTileRows, s.group_ends[lo], unit % units_per_tile};
+  return {lo, start + (t - first_tile) * kBlockM, s.group_ends[lo], unit % units_per_tile};
 }
 
 // B row (and output column) of a SwiGLU unit's gate block: activation columns [128 b, 128 b + 128)
@@ -243,8 +241,8 @@ __device__ __forceinline__ void copy_out(const uint8_t* staging, uint8_t* dst, s
 template <bool kSwiGLU, int kCluster>
 __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int unit_stride, int total_units,
                      int units_per_tile);
-template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx, int kSlices>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx, kSlices>& s,
+template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile);
 template <class Storage>
 __device__ void expand_e2m1(Storage& s, int steps);
@@ -257,19 +255,12 @@ constexpr int kExpandThreads = 96;  // warps 1-3 of the producer warpgroup (kMx)
 // (units_per_tile a multiple of kCluster), each loading 1/kCluster of the A tile for all by multicast.
 // kStaged: the staged schedule, kStagger: its math warpgroups a K block apart, kDeferred: its
 // SwiGLU epilogue deferred into passes under the next unit's wgmmas (math_staged). kMx: B is
-// packed E2M1, expanded in shared memory (plain staged GEMMs only). kSlices = 2: tall tiles of 256
-// rows, each math warpgroup computing two 64-row slices of them (rows 64 wg and 128 + 64 wg) into
-// two accumulators with one scratch: a B block read from L2 serves twice the rows, and a group of
-// up to 256 rows is one tile (the plain e4m3 GEMM on the staged schedule only).
-template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false,
-          int kSlices = 1>
+// packed E2M1, expanded in shared memory (plain staged GEMMs only).
+template <bool kSwiGLU, int kCluster, bool kStaged, bool kStagger, bool kDeferred, bool kMx = false>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
   static_assert(!kMx || (!kSwiGLU && kStaged), "E2M1 weights: the plain GEMM on the staged schedule");
-  static_assert(kSlices == 1 || (kSlices == 2 && !kSwiGLU && !kMx && kStaged && kCluster <= 2),
-                "tall tiles: the plain e4m3 GEMM on the staged schedule, clusters of at most 2");
-  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred), kMx, kSlices>;
+  using Storage = SharedStorage<staging_buffers(kStaged, kDeferred), kMx>;
   constexpr int kStages = Storage::kStages;
-  constexpr int kTileRows = kBlockM * kSlices;
   extern __shared__ char smem_raw[];
   // aligned by an offset from smem_raw (not through an integer), so accesses stay shared-memory ones
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -306,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       int g = g0 + lane;
       int end = g < G ? p.group_ends[g] : 0;
       int start = (g < G && g > 0) ? p.group_ends[g - 1] : 0;
-      int tiles = g < G ? max(0, (end - start + kTileRows - 1) / kTileRows) : 0;
+      int tiles = g < G ? max(0, (end - start + kBlockM - 1) / kBlockM) : 0;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
         int t = __shfl_up_sync(0xffffffffu, tiles, off);
@@ -338,15 +329,14 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       int stage = 0;
       uint32_t phase = 0;
       for (int unit = first_unit; unit < total_units; unit += unit_stride) {
-        Tile tile = decode<kTileRows>(s, G, units_per_tile, unit);
+        Tile tile = decode(s, G, units_per_tile, unit);
         int row0 = kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN;
-        // the A rows this stage receives: every CTA of a cluster counts the same live shares.
-        // A load is one box (expert_gemm.cu): a pair CTA's 64-row share of each 128-row slab, or
-        // without a cluster 64 rows; CTA c of a cluster loads shares c, c + kCluster, ...
+        // the A rows this stage receives: every CTA of a cluster counts the same live shares
+        // (the A descriptor's box is a share, expert_gemm.cu; without a cluster two 64-row loads)
         constexpr int kShareRows = kCluster > 1 ? kBlockM / kCluster : 64;
-        int a_rows = kTileRows;
-        if (p.skip_dead)
-          a_rows = min(kTileRows, (tile.m_end - tile.m0 + kShareRows - 1) / kShareRows * kShareRows);
+        int a_rows = kBlockM;
+        if (p.skip_dead) a_rows = min(kBlockM, (tile.m_end - tile.m0 + kShareRows - 1) / kShareRows * kShareRows);
+        const bool share_live = cta * kShareRows < a_rows;
 #pragma unroll 1
         for (int half = 0; half < (kSwiGLU ? 2 : 1); ++half) {
           int b_row = tile.group * p.n + row0 + half * p.chunk;
@@ -357,18 +347,17 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
             constexpr int kBBytes = kMx ? kBlockN * kBlockK / 2 + kBlockN * 4 : kBlockN * kBlockK;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage],
                                                                             kBBytes + a_rows * kBlockK);
-            // the stage's slabs hold the tile's rows in order (row r at slab r / 128, row r % 128)
-            Element* a_stage = s.a.data() + stage * kSlices * kBlockM * kBlockK;
-            if constexpr (kCluster > 1) {  // this CTA's shares of the rows, into every CTA of the cluster
-#pragma unroll 1
-              for (int r = cta * kShareRows; r < a_rows; r += kCluster * kShareRows)
+            Element* a_stage = s.a.data() + stage * kBlockM * kBlockK;
+            if constexpr (kCluster > 1) {  // this CTA's share of the rows, into every CTA of the cluster
+              if (share_live)
                 SM90_TMA_LOAD_MULTICAST_2D::copy(&p.tma_a, &s.full[stage], (1u << kCluster) - 1, 0,
-                                                 a_stage + r * kBlockK, kb * kBlockK, tile.m0 + r);
+                                                 a_stage + cta * kShareRows * kBlockK, kb * kBlockK,
+                                                 tile.m0 + cta * kShareRows);
             } else {
-#pragma unroll 1
-              for (int r = 0; r < a_rows; r += 64)
-                SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + r * kBlockK, kb * kBlockK,
-                                       tile.m0 + r);
+              SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage, kb * kBlockK, tile.m0);
+              if (a_rows == kBlockM)
+                SM90_TMA_LOAD_2D::copy(&p.tma_a, &s.full[stage], 0, a_stage + 64 * kBlockK, kb * kBlockK,
+                                       tile.m0 + 64);
             }
             if constexpr (kMx) {
               SM90_TMA_LOAD_2D::copy(&p.tma_b, &s.full[stage], 0, s.packed.data() + stage * kBlockN * kBlockK / 2,
@@ -389,9 +378,9 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       }
     }
   } else if constexpr (kStaged) {
-    math_staged<kSwiGLU, kCluster, kStagger, kDeferred, kMx, kSlices>(p, s, first_unit, unit_stride,
-                                                                      total_units, units_per_tile);
-  } else if constexpr (kSlices == 1) {
+    math_staged<kSwiGLU, kCluster, kStagger, kDeferred, kMx>(p, s, first_unit, unit_stride, total_units,
+                                                             units_per_tile);
+  } else {
     math<kSwiGLU, kCluster>(p, s, first_unit, unit_stride, total_units, units_per_tile);
   }
   if constexpr (kCluster > 1) {  // no CTA leaves while a peer may still arrive on its barriers
@@ -415,10 +404,9 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
 
 // Once the stage's loads have landed: one 128-deep K block's wgmmas into scratch (overwritten),
 // committed as one batch, not waited for; none where the warpgroup's rows are dead (skip_dead).
-// a_slab: the stage's A slab (tall tiles: kSlices of them a stage), stage: its B tile.
 template <class Mma, class FragA, class FragB, class Accum>
 __device__ __forceinline__ void issue_k_block(Mma& mma, FragA& tCrA, FragB& tCrB, Accum& scratch, uint64_t* full,
-                                              uint32_t phase, int a_slab, int stage, bool dead = false) {
+                                              uint32_t phase, int stage, bool dead = false) {
   cutlass::arch::ClusterTransactionBarrier::wait(full, phase);
   if (dead) return;
   warpgroup_fence_operand(scratch);
@@ -426,7 +414,7 @@ __device__ __forceinline__ void issue_k_block(Mma& mma, FragA& tCrA, FragB& tCrB
   mma.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
   for (int k = 0; k < size<2>(tCrA); ++k) {
-    cute::gemm(mma, tCrA(_, _, k, a_slab), tCrB(_, _, k, stage), scratch);
+    cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), scratch);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
@@ -462,7 +450,7 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
   uint32_t phase = 0;
 
   for (int unit = first_unit; unit < total_units; unit += unit_stride) {
-    Tile tile = decode<kBlockM>(s, G, units_per_tile, unit);
+    Tile tile = decode(s, G, units_per_tile, unit);
     const int rows[2] = {tile.m0 + tile_row, tile.m0 + tile_row + 8};
     const int scale_rows[2] = {min(rows[0], p.pool_rows - 1), min(rows[1], p.pool_rows - 1)};
     const bool live[2] = {rows[0] < tile.m_end, rows[1] < tile.m_end};
@@ -481,7 +469,7 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
       for (int kb = 0; kb < KB; ++kb) {
         const float sb = __ldg(b_scale + kb);
         const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
-        issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage, stage);
+        issue_k_block(mma, tCrA, tCrB, scratch, &s.full[stage], phase, stage);
         warpgroup_wait<0>();
         warpgroup_fence_operand(scratch);
         release<kCluster>(&s.empty[stage], lane);
@@ -543,13 +531,10 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
 // tensor cores, and issued at once their wgmmas interleave, end together, and leave the tensor
 // cores idle while both promote; a K block apart, each one's wgmmas queue behind the other's and
 // run while the other promotes, which keeps them apart.
-// Tall tiles (kSlices = 2): a step issues, waits for and promotes each slice in turn (one scratch),
-// and a finished block's epilogue stores each slice under that slice's first wgmmas.
-template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx, int kSlices>
-__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx, kSlices>& s,
+template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx>
+__device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile) {
-  using Storage = SharedStorage<staging_buffers(true, kDeferred), kMx, kSlices>;
-  constexpr int kTileRows = kBlockM * kSlices;
+  using Storage = SharedStorage<staging_buffers(true, kDeferred), kMx>;
   static_assert(kSwiGLU || !kDeferred, "only the SwiGLU epilogue is deferred");
   constexpr int kStages = Storage::kStages;
   constexpr int kHalves = kSwiGLU ? 2 : 1;
@@ -565,7 +550,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   Tensor scratch = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
   constexpr int kFrag = decltype(size(scratch))::value;  // 64: (2 columns, 2 rows, 16 column groups)
   static_assert(kFrag == 64, "m64n128 accumulator per thread");
-  float acc[kSlices * kFrag];  // slice j: acc[kFrag j ...], rows 128 j + this warpgroup's 64
+  float acc[kFrag];
 
   // this thread's rows in its warpgroup's 64 (wgmma's accumulator layout: and + 8), and the byte
   // offset of its fragment in the staging buffer: value v is row + 8 ((v >> 1) & 1), column
@@ -586,14 +571,13 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   int stage = 0;
   uint32_t phase = 0;
 #pragma unroll
-  for (int v = 0; v < kSlices * kFrag; ++v) acc[v] = 0.0f;
+  for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
 
-  // A finished block's epilogue of slice j from acc: bf16 rows through the staging buffer; for an
-  // up block, SwiGLU with the gate block this thread staged before, then the e4m3 activation block.
-  auto epilogue = [&](const Tile& t, int col, bool up, int j) {
-    float* const sacc = acc + kFrag * j;  // the slice's accumulator
-    const int row0 = t.m0 + 128 * j + wg * 64;
-    const int rows[2] = {t.m0 + 128 * j + tile_row, t.m0 + 128 * j + tile_row + 8};
+  // A finished block's epilogue from acc: bf16 rows through the staging buffer; for an up block,
+  // SwiGLU with the gate block this thread staged before, then the e4m3 activation block.
+  auto epilogue = [&](const Tile& t, int col, bool up) {
+    const int row0 = t.m0 + wg * 64;
+    const int rows[2] = {t.m0 + tile_row, t.m0 + tile_row + 8};
     const bool live[2] = {rows[0] < t.m_end, rows[1] < t.m_end};
     float w[2] = {0.0f, 0.0f};
     if (kSwiGLU && up) {
@@ -606,11 +590,11 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         uint32_t* slot = reinterpret_cast<uint32_t*>(staging + frag_offset + 8 * r * kStagingPitch + 16 * i);
-        uint32_t packed = pack_bf16(sacc[4 * i + 2 * r], sacc[4 * i + 2 * r + 1]);
+        uint32_t packed = pack_bf16(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
         if (kSwiGLU && up) {  // the gate this thread staged for the unit's first block; acc becomes the activation
           float2 a = swiglu_pair(p, *slot, packed, w[r]);
-          sacc[4 * i + 2 * r] = a.x;
-          sacc[4 * i + 2 * r + 1] = a.y;
+          acc[4 * i + 2 * r] = a.x;
+          acc[4 * i + 2 * r + 1] = a.y;
         }
         *slot = packed;
       }
@@ -622,7 +606,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
         float scale[2], recip[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          scale[r] = row_scale(sacc, r);
+          scale[r] = row_scale(acc, r);
           recip[r] = __frcp_rn(scale[r]);
         }
         warpgroup_sync(wg);  // the pre-activations are out of the buffer
@@ -631,8 +615,8 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
-                make_float2(e4m3_quotient(sacc[4 * i + 2 * r], scale[r], recip[r]),
-                            e4m3_quotient(sacc[4 * i + 2 * r + 1], scale[r], recip[r])),
+                make_float2(e4m3_quotient(acc[4 * i + 2 * r], scale[r], recip[r]),
+                            e4m3_quotient(acc[4 * i + 2 * r + 1], scale[r], recip[r])),
                 __NV_SATFINITE, __NV_E4M3);
             // e4m3 columns: half the bf16 byte offset
             *reinterpret_cast<__nv_fp8x2_storage_t*>(staging + frag_row * kStagingPitch + 8 * r * kStagingPitch +
@@ -650,7 +634,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     // the next block's promotions add into zeros (a select in every step's promotion instead
     // cost ~130 instructions a step: the selects and the register moves they caused)
 #pragma unroll
-    for (int v = 0; v < kFrag; ++v) sacc[v] = 0.0f;
+    for (int v = 0; v < kFrag; ++v) acc[v] = 0.0f;
   };
 
   // kDeferred: a unit's epilogue runs after its up block, from the staged bf16 block, in kPasses
@@ -755,7 +739,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
       if (++half == kHalves) {
         half = 0;
         unit += unit_stride;
-        tile = decode<kTileRows>(s, G, units_per_tile, unit);
+        tile = decode(s, G, units_per_tile, unit);
       }
       out_col = (kSwiGLU ? gate_row(tile.block, p.chunk) : tile.block * kBlockN) + half * p.chunk;
       b_scale = p.b_scales + (size_t(tile.group) * NB + out_col / kBlockN) * KB;
@@ -765,55 +749,40 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     const bool block_done = kb == 0 && step > 0;
     // (not deferred) an up block's epilogue (SwiGLU, the requantization) needs more registers
     // than fit beside a wgmma in flight, so it runs first; plain and gate blocks run under the wgmmas
-    if (!kDeferred && kSwiGLU && block_done && half == 0) epilogue(done, done_col, true, 0);
+    if (!kDeferred && kSwiGLU && block_done && half == 0) epilogue(done, done_col, true);
     const float sb = __ldg(b_scale + kb);
-#pragma unroll
-    for (int j = 0; j < kSlices; ++j) {
-      // slice 1's scale rows, 128 further, from slice 0's pointers (no more registers held)
-      float s0, s1;
-      if (j == 0) {
-        s0 = __ldg(a_scale0 + kb) * sb;
-        s1 = __ldg(a_scale1 + kb) * sb;
-      } else {
-        const int row = tile.m0 + 128 * j + tile_row;
-        s0 = __ldg(p.a_scales + size_t(min(row, p.pool_rows - 1)) * KB + kb) * sb;
-        s1 = __ldg(p.a_scales + size_t(min(row + 8, p.pool_rows - 1)) * KB + kb) * sb;
+    const float s0 = __ldg(a_scale0 + kb) * sb, s1 = __ldg(a_scale1 + kb) * sb;
+    // dead: this warpgroup's 64 rows of the tile all past its group's end (uniform over the
+    // warpgroup; from the tile's live registers, not one more held across the step). Not with
+    // the in-place SwiGLU epilogue: the branch makes it spill (72 bytes against 4).
+    issue_k_block(mma, tCrA, tCrB, scratch, s.ready(stage), phase, stage,
+                  (kDeferred || !kSwiGLU) && p.skip_dead && tile.m0 + wg * 64 >= tile.m_end);
+    if constexpr (kDeferred) {
+      if (block_done) {
+        if (half == 0) stage_up_block(done, done_col);
+        else stage_gate_block();
       }
-      // dead: this warpgroup's 64 rows of the slice all past its group's end (uniform over the
-      // warpgroup; from the tile's live registers, not one more held across the step). Not with
-      // the in-place SwiGLU epilogue: the branch makes it spill (72 bytes against 4).
-      issue_k_block(mma, tCrA, tCrB, scratch, s.ready(stage), phase, kSlices * stage + j, stage,
-                    (kDeferred || !kSwiGLU) && p.skip_dead && tile.m0 + 128 * j + wg * 64 >= tile.m_end);
-      if constexpr (kDeferred) {
-        if (block_done) {
-          if (half == 0) stage_up_block(done, done_col);
-          else stage_gate_block();
-        }
-        if (pass < kPasses && (pass_every_step || (kb & 1))) swiglu_pass();
-      } else if (block_done && !(kSwiGLU && half == 0)) {
-        epilogue(done, done_col, false, j);
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(scratch);
-      if (j == kSlices - 1) {  // the stage's last wgmmas are done: it can be refilled
-        if (kStagger && wg == 0 && step == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
-        release<kCluster>(&s.empty[stage], lane);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-#pragma unroll
-      for (int v = 0; v < kFrag; ++v) acc[kFrag * j + v] = fmaf(scratch(v), (v & 2) ? s1 : s0, acc[kFrag * j + v]);
+      if (pass < kPasses && (pass_every_step || (kb & 1))) swiglu_pass();
+    } else if (block_done && !(kSwiGLU && half == 0)) {
+      epilogue(done, done_col, false);
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(scratch);
+    if (kStagger && wg == 0 && step == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
+    release<kCluster>(&s.empty[stage], lane);
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+#pragma unroll
+    for (int v = 0; v < kFrag; ++v) acc[v] = fmaf(scratch(v), (v & 2) ? s1 : s0, acc[v]);
   }
   if (steps > 0) {
     if constexpr (kDeferred) {
       stage_up_block(tile, out_col);
       while (pass < kPasses) swiglu_pass();
     } else {
-#pragma unroll
-      for (int j = 0; j < kSlices; ++j) epilogue(tile, out_col, kSwiGLU, j);
+      epilogue(tile, out_col, kSwiGLU);
     }
   }
 }

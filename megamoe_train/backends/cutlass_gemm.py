@@ -430,10 +430,8 @@ def fp8_expert_gemm(a, a_scales, b, b_scales, group_ends, out, variant: int = 0)
     two math warpgroups a K block apart; 1 the same without pairs; 4 and 5 those two without the
     stagger; 2 and 3 the first schedule (epilogue stored from the fragments, no wgmma in flight)
     with and without pairs, kept for comparisons; + 16 (16-21) each of them with a tile's 64-row
-    halves that lie wholly past their group's end neither loaded nor (staged) multiplied; + 32 (the
-    staged ones: 32-53) tall tiles of 256 rows, each math warpgroup two 64-row slices, so a group
-    of up to 256 rows is one tile and each B block read serves all of them. out must be 16-byte
-    aligned. Returns out."""
+    halves that lie wholly past their group's end neither loaded nor (staged) multiplied. out must
+    be 16-byte aligned. Returns out."""
     fn = "fp8_expert_gemm"
     P, K, G, N, dev = _fp8_expert_operands(
         fn, a, a_scales, b, b_scales, group_ends, out, b.shape[1] if b.dim() == 3 else 0
