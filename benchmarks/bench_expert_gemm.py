@@ -28,11 +28,17 @@ from megamoe_train.weights import interleave_gate_up
 FP8, MX = get_recipe("fp8"), get_recipe("mxfp8_mxfp4")
 
 
-def mx_operands(w):
+def mx_operands(w, experts_per_pass: int = 32):
     """bf16 weights -> (packed E2M1, shifts, block scales) for fp8_expert_gemm_mx and (e4m3, scales)
-    folded for fp8_expert_gemm: the MX recipe's weights both ways (the same bits out)."""
-    packed, scales = quantize_weight(w, MX)
-    return (packed, *mx_weight_shifts(scales)), fold_mx_weight(packed, scales)
+    folded for fp8_expert_gemm: the MX recipe's weights both ways (the same bits out). Quantized a
+    few experts at a time: quant.py's fp32 temporaries of all of S1's weights pass 80 GB."""
+    chunks = range(0, w.shape[0], experts_per_pass)
+    parts = [quantize_weight(w[e : e + experts_per_pass], MX) for e in chunks]
+    packed, scales = torch.cat([d for d, _ in parts]), torch.cat([s for _, s in parts])
+    folds = [fold_mx_weight(d, s) for d, s in parts]
+    del parts
+    folded = torch.cat([d for d, _ in folds]), torch.cat([s for _, s in folds])
+    return (packed, *mx_weight_shifts(scales)), folded
 
 
 def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool = False) -> list[str]:

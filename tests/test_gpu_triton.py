@@ -62,6 +62,26 @@ def test_triton_matches_dense(rank_pools, world, recipe, routing):
     rank_pools(world, "nccl").run(triton_against_dense, cfg, tokens, seed=world * 7 + len(routing), routing=routing)
 
 
+def mx_expanded_against_dense(rank, world, cfg_kwargs, tokens, seed, routing):
+    """triton_against_dense with the MX GEMMs on our expert GEMM reading the E2M1 weights as stored
+    (MEGAMOE_MX_GEMM=expanded; the default folds them to e4m3 in HBM)."""
+    from megamoe_train.backends import triton_backend
+
+    previous, triton_backend._MX_GEMM = triton_backend._MX_GEMM, "expanded"
+    try:
+        return triton_against_dense(rank, world, cfg_kwargs, tokens, seed, routing)
+    finally:
+        triton_backend._MX_GEMM = previous
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("routing", ["uniform", "one_expert"])
+def test_triton_mx_expanded_matches_dense(rank_pools, world, routing):
+    cfg = dict(TRITON_BASE, recipe="mxfp8_mxfp4")
+    tokens = [300, 157, 211, 64, 300, 5, 128, 77][:world]
+    rank_pools(world, "nccl").run(mx_expanded_against_dense, cfg, tokens, world * 5 + len(routing), routing)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_triton_zero_tokens_shared_clamp(rank_pools, world):
     cfg = dict(TRITON_BASE, recipe="fp8", num_shared_experts=1, activation_clamp=6.0)

@@ -23,9 +23,9 @@
   section): the input rows are stored as the recipe's MXFP8 (1x32 ue8m0 scales, quantize_rows_mx),
   pulled as stored, then folded in the pool to 1x128 power-of-two scales (fold_mx_rows); the
   SwiGLU kernel quantizes the L2 input the same way (MXFP8, folded); the weights are folded to e4m3
-  with 128x128 scales once per weight version (ExpertWeights.mma_operands), or, where our expert GEMM
-  is built, read as stored (4 bits a weight) and expanded in shared memory (fp8_expert_gemm_mx,
-  the same bits; MEGAMOE_MX_GEMM=folded picks the first). Its backward is the
+  with 128x128 scales once per weight version (ExpertWeights.mma_operands), or, with
+  MEGAMOE_MX_GEMM=expanded, read as stored (4 bits a weight) and expanded in shared memory by our
+  expert GEMM (fp8_expert_gemm_mx, the same bits; 1.6-1.7x slower, docs/decisions.md). Its backward is the
   bf16 one (dgrads on the dequantized compute copies, bf16 wgrads on the dequantized activations);
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
@@ -68,10 +68,11 @@ _BF16_WGRAD = os.environ.get("MEGAMOE_BF16_WGRAD", "torch")
 # SwiGLU and the requantization in its epilogue, then L2) or "split" (the CUTLASS grouped GEMMs
 # around the Triton SwiGLU kernel); docs/kernels.md has the measurements behind the default.
 _FP8_FORWARD = os.environ.get("MEGAMOE_FP8_FORWARD", "split")
-# The MX recipe's expert GEMMs: "auto" (our expert GEMM reading the E2M1 weights as stored, expanded
-# in shared memory, where built) or "folded" (the CUTLASS fp8 GEMMs on the weights folded to e4m3
-# in HBM once per weight version, ExpertWeights.mma_operands).
-_MX_GEMM = os.environ.get("MEGAMOE_MX_GEMM", "auto")
+# The MX recipe's expert GEMMs: "folded" (the CUTLASS fp8 GEMMs on the weights folded to e4m3 in HBM
+# once per weight version, ExpertWeights.mma_operands) or "expanded" (our expert GEMM reading the
+# E2M1 weights as stored, expanded in shared memory, where built: half the weight bytes, but its
+# expansion bounds it, 1.6-1.7x slower at S1 and P on 2026-12-07; docs/decisions.md).
+_MX_GEMM = os.environ.get("MEGAMOE_MX_GEMM", "folded")
 
 
 def unsupported_reason(cfg, device: torch.device) -> str | None:
@@ -403,7 +404,7 @@ class TritonExecutor:
         act_scales = (
             torch.empty(P, recipe.mma_scale_cols(I), dtype=torch.float32, device=dev) if recipe.quantized else None
         )
-        if recipe.mx and _MX_GEMM != "folded" and cutlass_gemm.has_expert_gemm_mx(dev):
+        if recipe.mx and _MX_GEMM == "expanded" and cutlass_gemm.has_expert_gemm_mx(dev):
             return self._mx_experts_forward(cfg, weights, plan, pool, act, act_scales)
         w1, w1_scales, w2, w2_scales = weights.mma_operands()
         if recipe.quantized and _fused_fp8_forward(cfg, weights, dev):
