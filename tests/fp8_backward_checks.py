@@ -203,7 +203,7 @@ def check_quantize_tokens_t(device):
 def _as_dgrad_reads(values, mx: bool):
     """quant.py's dgrad operand of fp32 rows: fp8's e4m3 + 1x128 scales, or mxfp8_mxfp4's MXFP8
     folded to 1x128 power-of-two scales (what the GPU's fp8 MMA reads)."""
-    return fold_mx_act(*quantize_act(values, MX)) if mx else quantize_grad(values, FP8)
+    return fold_mx_act(*quantize_grad(values, MX)) if mx else quantize_grad(values, FP8)
 
 
 def check_swiglu_backward_quantized(device, clamp, mx=False):
@@ -524,7 +524,9 @@ def run_all(device) -> dict:
             check_swiglu_backward_quantized(device, clamp, mx)
     check_swiglu_forward_quantized(device)
     check_shared_experts(device)
-    runs = {recipe: (recipe, "auto") for recipe in ("fp8", "fp8_e4m3_wgrad")}
+    runs = {recipe: (recipe, "auto") for recipe in ("fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4")}
+    if device != "cpu":  # the MX recipe's two GEMM paths (off CUDA both are the Triton fp8 GEMM's)
+        runs["mxfp8_mxfp4 (folded)"] = ("mxfp8_mxfp4", "folded")
     return {name: check_executor_backward_against_reference(device, *run) for name, run in runs.items()}
 
 
