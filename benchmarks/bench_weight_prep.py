@@ -18,9 +18,10 @@ device-to-device copy). Outputs are checked equal to the torch path's before tim
 
 mxfp4: the mxfp8_mxfp4 recipe's weight preparation (E2M1, ue8m0 scales in 1 x 32 blocks), same
 shapes: the torch ops (use_kernel=False) against the E2M1 kernel as quantize_expert_weights runs it
-(no transposed copy), swept over tiles and num_warps, and the kernel with the transposed copy;
-then what the GPU executor derives from the E2M1 weights (the expert GEMM's shifts, the fold to
-e4m3). Floors as for fp8; outputs checked equal to the torch path's first.
+(the forward's copy and the dgrad's transposed one in one pass), and the kernel without the
+transposed copy swept over tiles and num_warps; then what the GPU executor derives from the E2M1
+weights (the expert GEMM's shifts of all four copies, the fold to e4m3). Floors as for fp8;
+outputs checked equal to the torch path's first.
 
 adapter: the issue-9 comparison: before vs after the
 stacked expert parameters, DeepSeek-V3 proxy shapes (256 experts over EP=2, H=2048, I=512,
@@ -272,7 +273,7 @@ def mxfp4(args):
             try:
                 ours = quantize_expert_weights(w1, w2, cfg)
                 oracle = quantize_expert_weights(w1, w2, cfg, use_kernel=False)
-                for f in ("w1", "w1_scales", "w2", "w2_scales"):
+                for f in ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "w2_t_scales"):
                     assert torch.equal(getattr(ours, f), getattr(oracle, f)), f"{f}: kernel != torch"
                 print("  outputs: kernel == torch, bit for bit")
             except torch.OutOfMemoryError:
@@ -282,36 +283,35 @@ def mxfp4(args):
             row(
                 "transform, torch (use_kernel=False)",
                 lambda: quantize_expert_weights(w1, w2, cfg, use_kernel=False),
-                floor,
+                floor_t,
             )
-            row("transform, kernel (default)", lambda: quantize_expert_weights(w1, w2, cfg), floor)
+            row(
+                "transform, kernel (default, with the transposed copy)",
+                lambda: quantize_expert_weights(w1, w2, cfg),
+                floor_t,
+            )
             for tile in ((32, 128), (64, 128), (128, 128), (64, 64)):
                 for nw in args.num_warps:
                     row(
-                        f"  kernel tile={tile} num_warps={nw}",
+                        f"  kernel without it, tile={tile} num_warps={nw}",
                         lambda tile=tile, nw=nw: (
                             K.quantize_e2m1_blocks(w1, chunk=chunk, transposed=False, tile=tile, num_warps=nw),
                             K.quantize_e2m1_blocks(w2, transposed=False, tile=tile, num_warps=nw),
                         ),
                         floor,
                     )
-            row(
-                "kernel with the transposed copy (default tile)",
-                lambda: (K.quantize_e2m1_blocks(w1, chunk=chunk), K.quantize_e2m1_blocks(w2)),
-                floor_t,
-            )
             # what the GPU executor derives per weight version: the shifts and block scales of the
-            # expert GEMM that expands E2M1 (torch ops over the scales), and the fold to e4m3 (only
-            # where that GEMM is not built, and for the dgrad's compute copies)
+            # expert GEMM that expands E2M1 (torch ops over the scales) for the forward's copies and
+            # the dgrad's, and the fold to e4m3 (only where that GEMM is not built; per copy)
             ew = quantize_expert_weights(w1, w2, cfg)
             scale_bytes = n // 32
             row(
-                "shifts + block scales (mx_weight_shifts, torch ops)",
-                lambda: (mx_weight_shifts(ew.w1_scales), mx_weight_shifts(ew.w2_scales)),
-                2 * scale_bytes / bw * 1e3,
+                "shifts + block scales, forward + dgrad copies",
+                lambda: [mx_weight_shifts(s) for s in (ew.w1_scales, ew.w2_scales, ew.w1_t_scales, ew.w2_t_scales)],
+                4 * scale_bytes / bw * 1e3,
             )
             row(
-                "fold to e4m3 (fold_e2m1_blocks)",
+                "fold to e4m3 (fold_e2m1_blocks), forward copies",
                 lambda: (K.fold_e2m1_blocks(ew.w1, ew.w1_scales), K.fold_e2m1_blocks(ew.w2, ew.w2_scales)),
                 (layout_bytes + n + n // (128 * 128) * 4) / bw * 1e3,
             )

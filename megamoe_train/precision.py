@@ -25,11 +25,15 @@ class PrecisionRecipe:
     scale blocks per chunk. Native weights are not interleaved (weights.py reads them in
     master order, in place); for them it only sets the granularity `intermediate` must have
     (8 bf16 = 16 bytes, the row alignment torch's grouped GEMM needs).
-    grad_format: how backward's two dgrad GEMMs (dY @ W2, dH @ W1) read the output gradient:
-    "native" (the compute dtype, on the dequantized weights) or "e4m3", quantized exactly like
-    an activation (1 x act_block blocks along the reduction dim, scale_format scales: quant.py's
-    quantize_grad) against the forward's quantized weight blocks read transposed (so
-    weight_block must be square).
+    grad_format: how backward's two dgrad GEMMs (dY @ W2, reducing over H; dH @ W1, reducing over
+    2I) read their operands: "native" (the gradient in the compute dtype, on the forward's
+    dequantized weights) or "e4m3": the gradient quantized exactly like an activation (1 x
+    act_block blocks along the reduction dim, scale_format scales: quant.py's quantize_grad)
+    against the weights as quant.py's quantize_weight_t stores them: the master weight transposed
+    (W2^T [I, H], W1^T [H, 2I] with fc1 in master order [gate; up]) and quantized in weight_block
+    blocks along its own last dim, the dgrad's reduction dim. With square blocks (fp8) those are
+    the forward's blocks read transposed, bit for bit; with 1 x 32 blocks (mxfp8_mxfp4) a second
+    quantization of the master weights, blocked along the other axis.
     wgrad_format: how backward's two weight-gradient GEMMs (dW2 = dY^T a, dW1 = dH^T x, reducing
     over the expert's pool rows) read both operands: "native" (the unquantized gradient and the
     stored activation dequantized, in the compute dtype) or "e4m3": each operand quantized per
@@ -51,11 +55,8 @@ class PrecisionRecipe:
     wgrad_format: str = "native"
 
     def __post_init__(self):
-        if self.grad_format != "native":
-            if self.weight_block[0] != self.weight_block[1] or self.act_block <= 0:
-                raise ValueError(
-                    f"recipe {self.name!r}: quantized gradients need square weight blocks and activation blocks"
-                )
+        if self.grad_format != "native" and self.act_block <= 0:
+            raise ValueError(f"recipe {self.name!r}: quantized gradients need activation blocks (act_block)")
         if self.wgrad_format != "native" and self.act_block <= 0:
             raise ValueError(f"recipe {self.name!r}: a quantized wgrad needs activation blocks (act_block)")
 
@@ -76,7 +77,8 @@ class PrecisionRecipe:
 
     @property
     def quantized_dgrad(self) -> bool:
-        """Whether backward's dgrad GEMMs take quantized gradients (and transposed quantized weights)."""
+        """Whether backward's dgrad GEMMs take quantized gradients (and the weights quantized
+        transposed, ExpertWeights.w1_t / w2_t)."""
         return self.grad_format != "native"
 
     @property
@@ -105,13 +107,15 @@ RECIPES: dict[str, PrecisionRecipe] = {
     "fp8_e4m3_wgrad": PrecisionRecipe(
         "fp8_e4m3_wgrad", "e4m3", 128, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3", wgrad_format="e4m3"
     ),
-    # MX recipe of the seeds: E4M3 activations and E2M1 weights, 1x32 power-of-two scales.
-    "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8),
+    # MX recipe of the seeds: E4M3 activations and E2M1 weights, 1x32 power-of-two scales. Its
+    # dgrads read MXFP8 gradients (dY, dH: 1x32 blocks along H, 2I) against E2M1 copies of the
+    # transposed master weights (W2^T, W1^T: 1x32 blocks along H, 2I); its wgrads stay bf16.
+    "mxfp8_mxfp4": PrecisionRecipe("mxfp8_mxfp4", "e4m3", 32, "e2m1", (1, 32), "ue8m0", 8, grad_format="e4m3"),
 }
 
 # the recipes the GPU executor (backends/triton_backend.py) runs; the others run the reference on a GPU.
-# mxfp8_mxfp4 runs on the fp8 GEMMs with its operands folded (quant.fold_mx_*): the E2M1 weights
-# expanded to e4m3 in HBM once per weight update, not yet inside the GEMM.
+# mxfp8_mxfp4 runs on Hopper's fp8 MMA with its 1x32 scales folded into 1x128 / 128x128 blocks
+# (quant.py's MX section); its E2M1 weights expanded to e4m3 inside our expert GEMM where built.
 GPU_EXECUTOR_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4")
 
 

@@ -6,7 +6,8 @@ GPU kernel that matches them bit for bit matches the recipe. Everything here is 
 
 Storage, per recipe (see precision.py); gradients quantized for the dgrad GEMMs
 (recipe.grad_format) and both operands of the wgrad GEMMs (recipe.wgrad_format, blocks along the
-token dim, stored transposed) use the activation rules:
+token dim, stored transposed) use the activation rules, the dgrads' weights (quantize_weight_t:
+the master weights transposed, blocked along the dgrad's reduction dim) the weight rules:
   * native: the tensor itself, no scales.
   * e4m3 + fp32 scales: scale = max(amax, 1e-4) / 448 per block, data float8_e4m3fn.
   * e4m3 / e2m1 + ue8m0 scales: scale = 2**ceil(log2(amax / max_value)), a power of two
@@ -375,6 +376,17 @@ def dequantize_weight(data: torch.Tensor, scales: torch.Tensor | None, recipe: P
     scale = _decode_scales(scales, recipe.scale_format)
     blocks = _split(values, rows, cols) * scale.unsqueeze(-1).unsqueeze(-3)
     return blocks.flatten(-2).flatten(-3, -2)
+
+
+def quantize_weight_t(w: torch.Tensor, recipe: PrecisionRecipe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights as a quantized dgrad GEMM reads them (recipe.grad_format): w [..., N, K] (the
+    forward's layout, reducing over K) transposed to [..., K, N] and quantized by quantize_weight,
+    i.e. in weight blocks along N, the dgrad's reduction dim. Square blocks (fp8) give the forward's
+    blocks transposed, bit for bit; 1 x 32 blocks (mxfp8_mxfp4) other blocks than the forward's,
+    a quantization of their own. dequantize_weight reads the result ([..., K, N])."""
+    if w.dim() < 2:
+        raise ValueError(f"quantize_weight_t: expected a tensor [..., N, K], got {list(w.shape)}")
+    return quantize_weight(w.mT.contiguous(), recipe)
 
 
 # ----------------------------------------------------------------------------- MX operands of fp8 MMA

@@ -118,7 +118,12 @@ def _check_prepared(prepared, cfg, num_local_experts: int, device) -> str | None
     pack = 2 if recipe.weight_format == "e2m1" else 1  # FP4 packs two values a byte
     dtype = {"native": cfg.dtype, "e4m3": torch.float8_e4m3fn}.get(recipe.weight_format, torch.uint8)
     chunk = I if recipe.weight_format == "native" else recipe.gate_up_chunk
-    for name, w, shape in (("w1", prepared.w1, (n, 2 * I, H // pack)), ("w2", prepared.w2, (n, H, I // pack))):
+    expected = [("w1", prepared.w1, (n, 2 * I, H // pack)), ("w2", prepared.w2, (n, H, I // pack))]
+    if recipe.quantized_dgrad:  # the dgrads' weights, quant.quantize_weight_t's
+        expected += [("w1_t", prepared.w1_t, (n, H, 2 * I // pack)), ("w2_t", prepared.w2_t, (n, I, H // pack))]
+    for name, w, shape in expected:
+        if w is None:
+            return f"prepared_weights: no {name}, which recipe {recipe.name!r} reads in backward (transform_weights)"
         if tuple(w.shape) != shape or w.dtype != dtype:
             return (
                 f"prepared_weights: {name} is {w.dtype} {list(w.shape)}, expected {dtype} {list(shape)} "

@@ -11,21 +11,25 @@ Unquantized recipes (bf16) keep the master order (one chunk of width I: SwiGLU r
 pass, so no interleave is needed) and read the parameter's own storage when its dtype is the
 compute dtype: no copy per weight update at all.
 
-fp8 also keeps the operands of an FP8 dgrad GEMM: each weight quantized in master order and
-transposed (w1_t, w2_t). For CUDA tensors one Triton kernel per weight reads the master weight
-once and writes both layouts with their scales; elsewhere, and as its oracle, the torch ops of
-quant.py do, with the same bits. The kernels are a backend's (backends/triton_weight_prep.py):
-the backends package supplies them here (supply_weight_kernels), so this module imports none.
+Recipes with a quantized dgrad (fp8, mxfp8_mxfp4) also keep the dgrad GEMMs' weights: each master
+weight transposed and quantized blocked along the dgrad's reduction dim (quant.quantize_weight_t;
+w1_t, w2_t; fc1 in master order). For fp8's square blocks those are the forward's blocks
+transposed; for mxfp8_mxfp4's 1 x 32 blocks a second quantization of the master weight. For CUDA
+tensors one Triton kernel per weight reads the master weight once and writes both layouts with
+their scales; elsewhere, and as its oracle, the torch ops of quant.py do, with the same bits. The
+kernels are a backend's (backends/triton_weight_prep.py): the backends package supplies them here
+(supply_weight_kernels), so this module imports none.
 
 mxfp8_mxfp4 (E2M1 weights, ue8m0 scales in 1 x 32 blocks) is quantized on CUDA by that module's
-E2M1 kernel too, one pass per weight, cached like fp8. Its layout is quant.py's: quantize_weight's
-packed bytes and scales, rows interleaved in chunks of gate_up_chunk (8) like fp8's. The GPU
-executor's expert GEMM reads them as stored and expands them to e4m3 in shared memory, with the
-shifts and block scales of mx_gemm_operands (quant.mx_weight_shifts, a few bytes per 32
-weights); where that kernel is not built its CUTLASS fp8 GEMMs read them folded to e4m3 with
-128 x 128 power-of-two scales (mma_operands, quant.fold_mx_weight; made once per weight version,
-twice E2M1's bytes). The reference executor dequantizes them. The recipe's dgrad reads the dequantized compute copies,
-so the kernel's transposed copy (blocked along N, a quantization of its own) is not kept.
+E2M1 kernel too, one pass per weight writing the forward's copy and the transposed one, cached
+like fp8. Its layout is quant.py's: quantize_weight's packed bytes and scales, fc1's rows
+interleaved in chunks of gate_up_chunk (8) like fp8's; w1_t / w2_t are quantize_weight_t's. The
+GPU executor's expert GEMM reads all four as stored and expands them to e4m3 in shared memory,
+with the shifts and block scales of mx_gemm_operands / mx_dgrad_gemm_operands
+(quant.mx_weight_shifts, a few bytes per 32 weights); where that kernel is not built its CUTLASS
+fp8 GEMMs read them folded to e4m3 with 128 x 128 power-of-two scales (mma_operands,
+mma_dgrad_operands, quant.fold_mx_weight; made once per weight version, twice E2M1's bytes). The
+reference executor dequantizes them. No bf16 copy of the weights is made for its backward.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MegaMoEConfig
 from .precision import PrecisionRecipe, get_recipe
-from .quant import dequantize_weight, fold_mx_weight, mx_weight_shifts, quantize_weight
+from .quant import dequantize_weight, fold_mx_weight, mx_weight_shifts, quantize_weight, quantize_weight_t
 
 
 def _gate_up_dims(t: torch.Tensor, chunk: int, dim: int) -> tuple[int, int]:
@@ -76,13 +80,16 @@ class ExpertWeights:
       (unquantized) weights have chunk == I (master order) and alias the caller's tensor when it
       already has the compute dtype. w1_scales: its block scales, interleaved the same way, or None.
     w2: fc2, [E, H, I] or packed [E, H, I/2]; w2_scales likewise.
-    Recipes with quantized dgrad (precision.grad_format: fp8) also carry the B operands of the
-    dgrad GEMMs (grad_act = dY_q @ w2_t[e]^T, grad_x = dH_q @ w1_t[e]^T), the forward's blocks
-    read transposed (None for the other recipes):
-    w1_t: e4m3 [E, H, 2I], fc1 quantized in master order ([gate; up], not interleaved) and
-      transposed; w1_t_scales: fp32 [E, H/128, 2I/128], its block scales transposed. Dequantized,
-      w1_t is deinterleave(dequantize(w1)) transposed, bit for bit.
-    w2_t: e4m3 [E, I, H], fc2 transposed; w2_t_scales: fp32 [E, I/128, H/128].
+    Recipes with quantized dgrad (precision.grad_format: fp8, mxfp8_mxfp4) also carry the B
+    operands of the dgrad GEMMs (grad_act = dY_q @ w2_t[e]^T, grad_x = dH_q @ w1_t[e]^T):
+    quant.quantize_weight_t of the master weights (None for the other recipes):
+    w1_t: fc1 in master order ([gate; up], not interleaved, so its columns line up with dH's)
+      transposed and quantized along 2I: e4m3 [E, H, 2I] with fp32 scales [E, H/128, 2I/128]
+      (fp8: the forward's blocks transposed, so dequantized it is deinterleave(dequantize(w1))
+      transposed, bit for bit), or packed E2M1 [E, H, I] with ue8m0 scales [E, H, 2I/32]
+      (mxfp8_mxfp4: 1 x 32 blocks along 2I, a quantization of their own).
+    w2_t: fc2 transposed and quantized along H: e4m3 [E, I, H] with fp32 [E, I/128, H/128], or
+      packed E2M1 [E, I, H/2] with ue8m0 [E, I, H/32].
     """
 
     recipe: str
@@ -104,6 +111,20 @@ class ExpertWeights:
         """float32 [E, H, I]."""
         return dequantize_weight(self.w2, self.w2_scales, get_recipe(self.recipe))
 
+    def dequantize_w1_t(self) -> torch.Tensor:
+        """float32 [E, H, 2I]: fc1 as the quantized dgrad reads it (master order, transposed)."""
+        return dequantize_weight(self._dgrad_weight("w1_t"), self.w1_t_scales, get_recipe(self.recipe))
+
+    def dequantize_w2_t(self) -> torch.Tensor:
+        """float32 [E, I, H]: fc2 as the quantized dgrad reads it (transposed)."""
+        return dequantize_weight(self._dgrad_weight("w2_t"), self.w2_t_scales, get_recipe(self.recipe))
+
+    def _dgrad_weight(self, name: str) -> torch.Tensor:
+        w = getattr(self, name)
+        if w is None:
+            raise ValueError(f"ExpertWeights.{name}: recipe {self.recipe!r} has no quantized dgrad, so no {name}")
+        return w
+
     @property
     def quantized(self) -> bool:
         return self.w1_scales is not None
@@ -124,10 +145,28 @@ class ExpertWeights:
             self.__dict__["_mma_operands"] = cached
         return cached
 
-    def _folded(self, kernels: WeightKernels | None):
-        """fold_mx_weight of both weights: by the supplied kernels, else the torch ops."""
+    def mma_dgrad_operands(
+        self, *, use_kernel: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1_t, w1_t_scales, w2_t, w2_t_scales) as the GPU executor's fp8 dgrad GEMMs read them:
+        the stored ones (fp8), or for the MX recipe those folded as in mma_operands, made once per
+        weight version."""
+        self._dgrad_weight("w1_t")
+        if not get_recipe(self.recipe).mx:
+            return self.w1_t, self.w1_t_scales, self.w2_t, self.w2_t_scales
+        cached = self.__dict__.get("_mma_dgrad_operands")
+        if cached is None:
+            kernels = _prep_kernels(self.w1_t.device, use_kernel)
+            cached = self._folded(kernels, self.w1_t, self.w1_t_scales, self.w2_t, self.w2_t_scales)
+            self.__dict__["_mma_dgrad_operands"] = cached
+        return cached
+
+    def _folded(self, kernels: WeightKernels | None, *weights: torch.Tensor | None):
+        """fold_mx_weight of each (data, scales) pair, by default (w1, w1_scales, w2, w2_scales): by
+        the supplied kernels, else the torch ops."""
         fold = kernels.fold_e2m1_blocks if kernels is not None else fold_mx_weight
-        return (*fold(self.w1, self.w1_scales), *fold(self.w2, self.w2_scales))
+        weights = weights or (self.w1, self.w1_scales, self.w2, self.w2_scales)
+        return tuple(t for data, scales in zip(weights[::2], weights[1::2]) for t in fold(data, scales))
 
     def mx_gemm_operands(self) -> tuple[torch.Tensor, ...]:
         """The MX recipe's weights as the expert GEMM that expands E2M1 in shared memory reads them
@@ -140,14 +179,24 @@ class ExpertWeights:
             self.__dict__["_mx_gemm_operands"] = cached
         return cached
 
+    def mx_dgrad_gemm_operands(self) -> tuple[torch.Tensor, ...]:
+        """mx_gemm_operands of the dgrad's weights: (w1_t packed, its shifts, its block scales, w2_t
+        packed, its shifts, its block scales), made once per weight version."""
+        cached = self.__dict__.get("_mx_dgrad_gemm_operands")
+        if cached is None:
+            w1_t, w2_t = self._dgrad_weight("w1_t"), self._dgrad_weight("w2_t")
+            cached = (w1_t, *mx_weight_shifts(self.w1_t_scales), w2_t, *mx_weight_shifts(self.w2_t_scales))
+            self.__dict__["_mx_dgrad_gemm_operands"] = cached
+        return cached
+
     def compute_copies(
         self, dtype: torch.dtype, *, use_kernel: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) as the forward used them, in `dtype` and master order (fc1 [gate; up]), made
         once per weight version (this object lives as long as its cache entry): what backward
-        dgrad GEMMs read in recipes whose dgrad is not quantized (quantized dgrad reads w1_t, w2_t).
-        fp8 on CUDA: one fused dequantize + deinterleave kernel per weight (use_kernel as in
-        quantize_expert_weights; both paths give the same bits)."""
+        dgrad GEMMs read in recipes whose dgrad is not quantized (bf16; a quantized dgrad reads
+        w1_t, w2_t). fp8 on CUDA: one fused dequantize + deinterleave kernel per weight (use_kernel
+        as in quantize_expert_weights; both paths give the same bits); other recipes the torch ops."""
         if (
             not self.quantized
             and self.w1.dtype == dtype
@@ -158,24 +207,14 @@ class ExpertWeights:
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
             recipe = get_recipe(self.recipe)
-            # The dequantize kernel reads e4m3 in 128 x 128 blocks: fp8's weights, or the MX
-            # recipe's folded ones (their values are the E2M1 weights' wherever the fold is exact,
-            # quant.py's MX section), deinterleaved after (chunks of 8 rows split its blocks).
-            kernel_format = _kernel_format(recipe)
-            kernels = _prep_kernels(self.w1.device, use_kernel) if kernel_format else None
+            # the dequantize kernel reads e4m3 in 2-D fp32 blocks (fp8's weights)
+            kernels = _prep_kernels(self.w1.device, use_kernel) if _kernel_format(recipe) == "e4m3" else None
             if kernels is not None and dtype not in kernels.master_dtypes(self.w1.device):
                 kernels = None
-            if kernels is not None and kernel_format == "e4m3":
+            if kernels is not None:
                 block = recipe.weight_block
                 w1 = kernels.dequantize_blocks(self.w1, self.w1_scales, dtype, block, chunk=self.chunk)
                 w2 = kernels.dequantize_blocks(self.w2, self.w2_scales, dtype, block)
-            elif kernels is not None:  # e2m1
-                # the fold the GEMMs read where they read one, else one for this only, not kept
-                # (the expert GEMM reads the packed weights)
-                w1_f, w1_fs, w2_f, w2_fs = self.__dict__.get("_mma_operands") or self._folded(kernels)
-                block = (128, 128)
-                w1 = deinterleave_gate_up(kernels.dequantize_blocks(w1_f, w1_fs, dtype, block), self.chunk)
-                w2 = kernels.dequantize_blocks(w2_f, w2_fs, dtype, block)
             else:
                 w1 = deinterleave_gate_up(self.dequantize_w1(), self.chunk).to(dtype)
                 w2 = self.dequantize_w2().to(dtype)
@@ -373,19 +412,16 @@ def quantize_expert_weights(
         raise ValueError(
             f"use_kernel: the weight-prep kernels handle fp8 and mxfp8_mxfp4 weights only, not {recipe.name!r}"
         )
-    if kernels is not None and weight_format == "e2m1":
-        # No transposed copies: 1 x 32 blocks never come with a quantized dgrad (precision.py
-        # wants square blocks for one), so the dgrad reads the compute copies.
-        w1_data, w1_scales, _, _ = kernels.quantize_e2m1_blocks(w1, chunk=chunk, transposed=False)
-        w2_data, w2_scales, _, _ = kernels.quantize_e2m1_blocks(w2, transposed=False)
-        return ExpertWeights(
-            recipe=recipe.name, w1=w1_data, w1_scales=w1_scales, w2=w2_data, w2_scales=w2_scales, chunk=chunk
-        )
     if kernels is not None:
-        w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_blocks(w1, recipe.weight_block, chunk=chunk)
-        w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_blocks(w2, recipe.weight_block)
+        if weight_format == "e2m1":  # the transposed copy is a quantization of its own: asked for
+            transposed = recipe.quantized_dgrad
+            w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_e2m1_blocks(w1, chunk=chunk, transposed=transposed)
+            w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_e2m1_blocks(w2, transposed=transposed)
+        else:  # the e4m3 kernel writes the transposed blocks in the same pass anyway
+            w1_data, w1_scales, w1_t, w1_t_scales = kernels.quantize_blocks(w1, recipe.weight_block, chunk=chunk)
+            w2_data, w2_scales, w2_t, w2_t_scales = kernels.quantize_blocks(w2, recipe.weight_block)
         dgrad_operands = {}
-        if recipe.quantized_dgrad:  # the kernel writes them in the same pass anyway
+        if recipe.quantized_dgrad:
             dgrad_operands = dict(w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
         return ExpertWeights(
             recipe=recipe.name,
@@ -399,13 +435,18 @@ def quantize_expert_weights(
     w1_data, w1_scales = quantize_weight(w1, recipe)
     w2_data, w2_scales = quantize_weight(w2, recipe)
     dgrad_operands = {}
-    if recipe.quantized_dgrad:  # the same blocks read transposed (precision.py: square blocks)
+    if recipe.quantized_dgrad and recipe.weight_block[0] == recipe.weight_block[1]:
+        # quantize_weight_t's blocks are the forward's read transposed: transposed, not requantized
         dgrad_operands = dict(
             w1_t=w1_data.mT.contiguous(),
             w1_t_scales=w1_scales.mT.contiguous(),
             w2_t=w2_data.mT.contiguous(),
             w2_t_scales=w2_scales.mT.contiguous(),
         )
+    elif recipe.quantized_dgrad:
+        w1_t, w1_t_scales = quantize_weight_t(w1, recipe)
+        w2_t, w2_t_scales = quantize_weight_t(w2, recipe)
+        dgrad_operands = dict(w1_t=w1_t, w1_t_scales=w1_t_scales, w2_t=w2_t, w2_t_scales=w2_t_scales)
     return ExpertWeights(
         recipe=recipe.name,
         w1=interleave_gate_up(w1_data, chunk),

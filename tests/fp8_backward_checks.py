@@ -1,4 +1,5 @@
-"""Checks of the triton executor's fp8 backward (small shapes), on any device Triton runs on:
+"""Checks of the triton executor's quantized backward (fp8, and mxfp8_mxfp4's MXFP8 dgrads; small
+shapes), on any device Triton runs on:
 tests/test_gpu_triton.py calls them on CUDA; `TRITON_INTERPRET=1 python tests/fp8_backward_checks.py`
 runs them with Triton's CPU interpreter (test_triton_interpret.py does; the interpreter is chosen
 when triton_kernels is imported, so it cannot share a process with CUDA Triton).
@@ -26,10 +27,17 @@ from megamoe_train.backends.triton_backend import TritonExecutor, TritonPoolGrad
 from megamoe_train.expert_math import shared_backward, shared_forward, swiglu, swiglu_backward
 from megamoe_train.plan import build_plan
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import dequantize_act, dequantize_grad, quantize_act, quantize_grad, quantize_tokens_t
+from megamoe_train.quant import (
+    dequantize_act,
+    dequantize_grad,
+    fold_mx_act,
+    quantize_act,
+    quantize_grad,
+    quantize_tokens_t,
+)
 from megamoe_train.weights import deinterleave_gate_up, transform_weights
 
-FP8 = RECIPES["fp8"]
+FP8, MX = RECIPES["fp8"], RECIPES["mxfp8_mxfp4"]
 POISON_E4M3 = 0x7F  # an e4m3 NaN
 
 
@@ -192,8 +200,15 @@ def check_quantize_tokens_t(device):
             assert out_s[:, live // 128 :].isnan().all(), f"{what}: a scale past num_rows was written"
 
 
-def check_swiglu_backward_quantized(device, clamp):
-    """dH in master order, in bf16 and as e4m3 + 1x128 scales (what the fp8 L1 dgrad reads)."""
+def _as_dgrad_reads(values, mx: bool):
+    """quant.py's dgrad operand of fp32 rows: fp8's e4m3 + 1x128 scales, or mxfp8_mxfp4's MXFP8
+    folded to 1x128 power-of-two scales (what the GPU's fp8 MMA reads)."""
+    return fold_mx_act(*quantize_grad(values, MX)) if mx else quantize_grad(values, FP8)
+
+
+def check_swiglu_backward_quantized(device, clamp, mx=False):
+    """dH in master order, in bf16 and as e4m3 + 1x128 scales (what the fp8 L1 dgrad reads; mx:
+    MXFP8 folded, what the MX L1 dgrad reads)."""
     P, inter, chunk, live = 48, 256, 128, 40
     g = torch.Generator().manual_seed(2)
     h = (torch.randn(P, 2 * inter, generator=g) * 2).to(torch.bfloat16)  # interleaved, forward's layout
@@ -212,22 +227,26 @@ def check_swiglu_backward_quantized(device, clamp):
         clamp,
         grad_h_q,
         grad_h_s,
+        mx=mx,
     )
     grad_h, grad_h_q, grad_h_s = grad_h.cpu(), grad_h_q.cpu(), grad_h_s.cpu()
     ref = swiglu_backward(h[:live], chunk, clamp, grad_act[:live].float() * row_w[:live, None])
     ref = deinterleave_gate_up(ref, chunk, dim=1)  # master order [gate | up]
     assert torch.allclose(grad_h[:live].float(), ref, rtol=2e-2, atol=1e-30), "grad_h (bf16, master order)"
-    # The e4m3 dH is the kernel's fp32 dH quantized in master-order 1x128 blocks: the same codes
-    # and scales as quantizing the torch fp32 dH, but for the few elements where the kernel's
-    # exp differs from torch's sigmoid in the last bit and a value sits on a rounding boundary.
-    ref_q, ref_s = quantize_grad(ref, FP8)
-    assert torch.allclose(grad_h_s[:live], ref_s, rtol=4e-6, atol=0), "grad_h scales"
+    # The e4m3 dH is the kernel's fp32 dH quantized in master-order 1x128 blocks (mx: 1x32, then
+    # folded): the same codes and scales as quantizing the torch fp32 dH, but for the few elements
+    # where the kernel's exp differs from torch's sigmoid in the last bit and a value sits on a
+    # rounding boundary (mx: or a 1x32 block's largest on a power of two).
+    ref_q, ref_s = _as_dgrad_reads(ref, mx)
+    if mx:
+        assert (grad_h_s[:live] == ref_s).float().mean() > 0.99, "grad_h scales (mx)"
+    else:
+        assert torch.allclose(grad_h_s[:live], ref_s, rtol=4e-6, atol=0), "grad_h scales"
     same = grad_h_q[:live].float() == ref_q.float()  # as values: a masked (clamped) zero's sign may differ
     assert same.float().mean() > 0.99, f"grad_h e4m3: {1 - same.float().mean():.2%} of codes differ"
     deq, want = dequantize_grad(grad_h_q[:live], grad_h_s[:live], FP8), dequantize_grad(ref_q, ref_s, FP8)
-    assert ((deq - want).abs() <= want.abs() * 2**-3 + ref_s.repeat_interleave(128, 1) * 2**-9).all(), (
-        "grad_h e4m3 values"
-    )
+    scale = torch.maximum(ref_s, grad_h_s[:live]).repeat_interleave(128, 1)
+    assert ((deq - want).abs() <= want.abs() * 2**-3 + scale * 2**-9).all(), "grad_h e4m3 values"
     assert (grad_h_q[live:].view(torch.uint8) == POISON_E4M3).all() and grad_h_s[live:].isnan().all()
 
 
@@ -273,25 +292,31 @@ def check_shared_experts(device):
     assert empty[0].shape == (0, H) and empty[1].shape == (0, 2 * width)
 
 
-def check_executor_backward_against_reference(device, recipe: str = "fp8"):
+def check_executor_backward_against_reference(
+    device, recipe: str = "fp8", mx_gemm: str = "folded", seed: int = 5, hidden: int = 384, tokens: int = 37
+):
     """TritonExecutor.experts_backward (fp8 dgrads through grouped_gemm, fp8 wgrads through the
     CUTLASS K-grouped GEMM, or off CUDA through torch._grouped_mm on the same quantized operands)
     against the reference executor on the same padded plan and inputs (the recipe: fp8, or
-    fp8_e4m3_wgrad with the fp8 wgrads, whose pool pads experts to 128 rows), and against the oracle
-    with unquantized gradients (to show the check can tell them apart)."""
+    fp8_e4m3_wgrad with the fp8 wgrads, whose pool pads experts to 128 rows, or mxfp8_mxfp4 with its
+    MXFP8 dgrads against the transposed E2M1 weights: on CUDA through the CUTLASS fp8 GEMM on them
+    folded, or with mx_gemm "expanded" the expert GEMM that reads them as stored; elsewhere the
+    Triton fp8 GEMM on them folded), and against the oracle with unquantized gradients and (the
+    recipe's dgrads reading W2^T, W1^T) the forward's weights, to show the check can tell them
+    apart. tokens rows of hidden columns (intermediate 256) and one masked slot, from seed."""
     cfg = MegaMoEConfig(
         num_experts=4,
-        hidden=384,
+        hidden=hidden,
         intermediate=256,
         topk=2,
-        num_max_tokens_per_rank=40,
+        num_max_tokens_per_rank=max(tokens, 40),
         recipe=recipe,
         block_m=64,
         dtype=torch.bfloat16,
         activation_clamp=6.0,
     )
-    g = torch.Generator().manual_seed(5)
-    T, E, H, I, K = 37, cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk
+    g = torch.Generator().manual_seed(seed)
+    T, E, H, I, K = tokens, cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.topk
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     ids[5, 1] = -1
     ids_full = torch.full((1, cfg.num_max_tokens_per_rank, K), -1, dtype=torch.int64)
@@ -311,26 +336,36 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
     real = plan.row_recv[:live] >= 0
     token[:live][real] = plan.recv_token.long()[plan.row_recv[:live][real].long()]
     present = token >= 0
-    x_q, x_s = quantize_act(x, FP8)
-    pool_x, pool_s = torch.zeros(P, H, dtype=torch.uint8), torch.zeros(P, H // 128)
+    mx = cfg.precision.mx
+    x_q, x_s = quantize_act(x, cfg.precision)  # as stored: MXFP8 for mx (the reference's pool)
+    pool_x, pool_s = torch.zeros(P, H, dtype=torch.uint8), torch.zeros(P, x_s.shape[1], dtype=x_s.dtype)
     pool_x[present], pool_s[present] = x_q.view(torch.uint8)[token[present]], x_s[token[present]]
     pool_x = pool_x.view(torch.float8_e4m3fn)
+    tri_x, tri_s = fold_mx_act(pool_x, pool_s) if mx else (pool_x, pool_s)  # the triton pool: folded
     row_w = torch.zeros(P)
     row_w[present] = topk_w[token[present], plan.row_slot.long()[present]]
     pool_grad = torch.zeros(P, H, dtype=torch.bfloat16)
     pool_grad[present] = gy[token[present]]
     plan = dataclasses.replace(plan, **{f.name: getattr(plan, f.name).to(device) for f in dataclasses.fields(plan)})
-    pool_x, pool_s, row_w, pool_grad = (t.to(device) for t in (pool_x, pool_s, row_w, pool_grad))
+    pool_x, pool_s, tri_x, tri_s, row_w, pool_grad = (
+        t.to(device) for t in (pool_x, pool_s, tri_x, tri_s, row_w, pool_grad)
+    )
 
     tri, ref = TritonExecutor(), ReferenceExecutor()
-    _, tri_state = tri.experts_forward(cfg, weights, plan, TritonPoolInputs(pool_x, pool_s, row_w))
+    from megamoe_train.backends import triton_backend
+
+    saved_mx_gemm, triton_backend._MX_GEMM = triton_backend._MX_GEMM, mx_gemm
+    try:
+        _, tri_state = tri.experts_forward(cfg, weights, plan, TritonPoolInputs(tri_x, tri_s, row_w))
+
+        def no_compute_copies(dtype):
+            raise AssertionError("the quantized backward read the bf16 compute copies")
+
+        weights.compute_copies = no_compute_copies  # this object only (instance attribute)
+        got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, TritonPoolGrad(pool_grad))]
+    finally:
+        triton_backend._MX_GEMM = saved_mx_gemm
     _, ref_state = ref.experts_forward(cfg, weights, plan, ReferencePoolInputs(pool_x, pool_s, row_w))
-
-    def no_compute_copies(dtype):
-        raise AssertionError("the fp8 backward read the bf16 compute copies")
-
-    weights.compute_copies = no_compute_copies  # this object only (instance attribute)
-    got = [t.cpu() for t in tri.experts_backward(cfg, weights, plan, tri_state, TritonPoolGrad(pool_grad))]
 
     def oracle(**formats):
         """The reference backward under the fp8 recipe with these gradient formats (registered for this call only)."""
@@ -368,7 +403,8 @@ def check_executor_backward_against_reference(device, recipe: str = "fp8"):
 def check_pull_inputs(device, recipe: str):
     """TritonExecutor's one-pass pull (x, its scales, each pool row's topk weight) from two source
     ranks' buffers against the rows built here from the plan; outputs poisoned first, padding rows
-    must come back zero."""
+    must come back zero. With a quantized dgrad, dY's pull with its quantization (mxfp8_mxfp4: MXFP8
+    folded, on rows with an inf, a NaN and a block of bf16 subnormals too)."""
     from megamoe_train.layout import buffer_layout
 
     cfg = MegaMoEConfig(
@@ -414,8 +450,9 @@ def check_pull_inputs(device, recipe: str):
     P, live = plan.pool_rows, int(plan.num_rows)
     u = plan.row_recv.long()
     src, tok = plan.recv_src.long(), plan.recv_token.long()
+    n_scales = scales[0].shape[1] if scales else 0
     want_x = torch.zeros(P, H, dtype=xs[0].dtype)
-    want_s = torch.zeros(P, H // 128)
+    want_s = torch.zeros(P, n_scales, dtype=cfg.precision.scale_storage_dtype)
     want_w = torch.zeros(P)
     for p in range(live):
         if u[p] >= 0:
@@ -427,7 +464,10 @@ def check_pull_inputs(device, recipe: str):
     plan = dataclasses.replace(plan, **{f.name: getattr(plan, f.name).to(device) for f in dataclasses.fields(plan)})
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
     x_pool = torch.full((P, H), 0x7F if scales else float("nan"), dtype=want_x.dtype, device=device)
-    s_pool = nans(P, H // 128, device=device) if scales else None
+    s_pool = None
+    if scales:  # poisoned: NaN (fp32 scales) or 255 (ue8m0's NaN code)
+        s_pool = torch.full((P, n_scales), 255, dtype=torch.uint8, device=device)
+        s_pool = s_pool if cfg.precision.mx else nans(P, n_scales, device=device)
     w_pool = nans(P, device=device)
     K_.pull_expand(
         bases,
@@ -445,35 +485,49 @@ def check_pull_inputs(device, recipe: str):
     assert torch.equal(w_pool[:live].cpu(), want_w[:live]), "row weights"
     if not cfg.precision.quantized_dgrad:
         return
-    # dY's pull with the fp8 dgrad's quantization in the same pass: rows bit for bit, and the
-    # e4m3 rows and scales of quant.quantize_act (quantize_rows' bits) of the rows, padding included
+    # dY's pull with the dgrad's quantization in the same pass: rows bit for bit, and the e4m3 rows
+    # and scales of quant.quantize_grad (quantize_rows' bits; mx: folded) of the rows, padding included
+    mx = cfg.precision.mx
     grads = [torch.randn(T, H, generator=g).to(torch.bfloat16) * (r + 1) for r in range(R)]
+    if mx:  # specials (a NaN or inf makes its fold block NaN; bf16 subnormals widen exactly)
+        grads[0][2, 5] = float("inf")
+        grads[1][4, 200] = float("nan")
+        grads[0][6, 128:256] = (torch.randn(128, generator=g) * 2.0**-130).to(torch.bfloat16)
+        assert grads[0][6, 128:256].float().abs().max() < 2.0**-126
     for r in range(R):
         view(r, "grad_y").copy_(grads[r])
     want_g = torch.zeros(P, H, dtype=torch.bfloat16)
     for p in range(live):
         if u[p] >= 0:
             want_g[p] = grads[int(src[u[p]])][int(tok[u[p]])]
-    want_q, want_qs = quantize_act(want_g[:live], cfg.precision)
+    want_q, want_qs = _as_dgrad_reads(want_g[:live], mx)
     g_pool = nans(P, H, device=device).to(torch.bfloat16)
     q_pool = torch.full((P, H), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
     qs_pool = nans(P, H // 128, device=device)
-    K_.pull_expand(bases, regions["grad_y"], g_pool, plan, quant_pool=q_pool, quant_scales=qs_pool)
-    assert torch.equal(g_pool[:live].cpu(), want_g[:live]), "pulled dY rows"
-    assert torch.equal(q_pool[:live].cpu().view(torch.uint8), want_q.view(torch.uint8)), "dY e4m3 rows"
-    assert torch.equal(qs_pool[:live].cpu(), want_qs), "dY scales"
+    K_.pull_expand(bases, regions["grad_y"], g_pool, plan, quant_pool=q_pool, quant_scales=qs_pool, quant_mx=mx)
+    assert torch.equal(g_pool[:live].cpu().view(torch.int16), want_g[:live].view(torch.int16)), "pulled dY rows"
+    assert_same_bits(q_pool[:live].cpu(), want_q, "dY e4m3 rows")
+    assert_same_bits(qs_pool[:live].cpu(), want_qs, "dY scales")
+    if mx:  # the specials reached this pool: NaN blocks, and the subnormal block's codes kept
+        rows = [p for p in range(live) if u[p] >= 0 and (int(src[u[p]]), int(tok[u[p]])) == (0, 6)]
+        assert rows and qs_pool[:live].isnan().sum() >= 2
+        assert q_pool.cpu()[rows, 128:256].view(torch.uint8).any(), "a subnormal block quantized to zeros"
 
 
 def run_all(device) -> dict:
-    for recipe in ("bf16", "fp8"):
+    for recipe in ("bf16", "fp8", "mxfp8_mxfp4"):
         check_pull_inputs(device, recipe)
     check_quantize_rows(device)
     check_quantizers_keep_nan(device)
     for clamp in (None, 0.75):
-        check_swiglu_backward_quantized(device, clamp)
+        for mx in (False, True):
+            check_swiglu_backward_quantized(device, clamp, mx)
     check_swiglu_forward_quantized(device)
     check_shared_experts(device)
-    return {recipe: check_executor_backward_against_reference(device, recipe) for recipe in ("fp8", "fp8_e4m3_wgrad")}
+    runs = {recipe: (recipe, "folded") for recipe in ("fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4")}
+    if device != "cpu":  # the MX recipe's two GEMM paths (off CUDA both are the Triton fp8 GEMM's)
+        runs["mxfp8_mxfp4 (expanded)"] = ("mxfp8_mxfp4", "expanded")
+    return {name: check_executor_backward_against_reference(device, *run) for name, run in runs.items()}
 
 
 def main(argv):

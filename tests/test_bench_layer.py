@@ -38,7 +38,7 @@ def test_floor_counts():
         ("bf16", 800.0, 800.0, 800.0, 2),
         ("fp8", 1400.0, 1400.0, 800.0, 1),  # bf16 wgrads
         ("fp8_e4m3_wgrad", 1400.0, 1400.0, 1400.0, 1),
-        ("mxfp8_mxfp4", 1400.0, 800.0, 800.0, 1),  # e2m1 weights run as e4m3 MMAs; dgrads on dequantized weights
+        ("mxfp8_mxfp4", 1400.0, 1400.0, 800.0, 1),  # e2m1 weights and MXFP8 gradients run as e4m3 MMAs
     )
     for recipe, fwd_rate, dgrad_rate, wgrad_rate, act in cases:
         f_fwd, f_all, detail = bl.floor_ms(stats, H, I, recipe, rates)

@@ -1,8 +1,9 @@
 """The Triton GPU executor (marked `gpu`, skipped without CUDA): against the dense oracle and
 the reference executor on fresh random inputs, with every uninitialized tensor and the pushed
 regions poisoned with NaN so rows that were never written fail; bitwise repeatability; bad
-input; CUDA-graph capture. With recipe fp8 all of these run the fp8 dgrads (the dense oracle
-and the reference quantize dY and dH the same way); test_fp8_backward_kernels checks the
+input; CUDA-graph capture. With recipes fp8 and mxfp8_mxfp4 all of these run the quantized dgrads
+(the dense oracle and the reference quantize dY and dH, and the MX recipe's transposed weights,
+the same way); test_fp8_backward_kernels and test_mx_backward_against_reference_executor check the
 backward's kernels and executor wiring directly (fp8_backward_checks.py)."""
 
 import os
@@ -318,10 +319,42 @@ def test_triton_fp8_gradients_hidden_ne_intermediate(rank_pools, world):
     rank_pools(world, "nccl").run(triton_against_reference, "fp8", WIDE_FP8)
 
 
+# the MX recipe's dgrads against the transposed E2M1 weights: N = I, K = H (L2) and N = H, K = 2I
+# (L1) with H != I, an odd number of 128-column blocks (H = 384: no CTA pairs on the L1 dgrad)
+WIDE_MX = dict(hidden=384, intermediate=256)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_triton_mx_gradients_hidden_ne_intermediate(rank_pools, world):
+    """mxfp8_mxfp4's MXFP8 dgrads on the transposed E2M1 weights end to end: against the dense
+    model of the recipe, bitwise repeat, poisoned memory; and against the reference executor."""
+    cfg = dict(TRITON_BASE, recipe="mxfp8_mxfp4", **WIDE_MX)
+    rank_pools(world, "nccl").run(triton_against_dense, cfg, [300, 157, 211, 64, 300, 5, 128, 77][:world], seed=78)
+    rank_pools(world, "nccl").run(triton_against_reference, "mxfp8_mxfp4", WIDE_MX)
+
+
+@pytest.mark.parametrize("mx_gemm", ["expanded", "folded"])
+@pytest.mark.parametrize("seed, hidden, tokens", [(21, 384, 37), (22, 256, 131), (23, 640, 250)])
+def test_mx_backward_against_reference_executor(mx_gemm, seed, hidden, tokens):
+    """The executor's mxfp8_mxfp4 backward on one GPU, fresh random inputs, every uninitialized
+    tensor NaN-poisoned: dY quantized to MXFP8 and folded (here by quantize_rows_mx + fold_mx_rows,
+    the pull's path is checked in test_fp8_backward_kernels), dH by the SwiGLU backward, the dgrads
+    on the transposed E2M1 weights through our expert GEMM (MEGAMOE_MX_GEMM=expanded) or CUTLASS
+    fp8 on them folded (the default), against the reference executor; closer to it than to unquantized
+    gradients on the forward's weights; no bf16 compute copies read."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fp8_backward_checks import check_executor_backward_against_reference
+
+    errors = poisoned(check_executor_backward_against_reference, "cuda", "mxfp8_mxfp4", mx_gemm, seed, hidden, tokens)
+    print({name: f"{err:.2e} (unquantized: {other:.2e})" for name, (err, other) in errors.items()})
+
+
 def test_fp8_backward_kernels():
-    """dY quantization bit for bit quant.quantize_grad; SwiGLU backward's e4m3 dH; the executor's
-    fp8 backward against the reference executor on one GPU (closer to it than to unquantized
-    dgrads), without the bf16 compute copies; NaN-poisoned outputs."""
+    """dY quantization bit for bit quant.quantize_grad (and the pull's, fp8 and MXFP8 folded); SwiGLU
+    backward's e4m3 dH (and MXFP8 folded); the executor's fp8 and mxfp8_mxfp4 backward against the
+    reference executor on one GPU (closer to it than to unquantized dgrads), without the bf16
+    compute copies; NaN-poisoned outputs."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from fp8_backward_checks import run_all

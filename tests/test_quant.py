@@ -19,6 +19,7 @@ from megamoe_train.quant import (
     quantize_grad,
     quantize_tokens_t,
     quantize_weight,
+    quantize_weight_t,
     ue8m0_to_float,
     unpack_fp4,
 )
@@ -314,7 +315,8 @@ def test_shape_errors():
 
 def test_grad_format_per_recipe():
     assert FP8.grad_format == "e4m3" and FP8.quantized_dgrad
-    assert not BF16.quantized_dgrad and not MX.quantized_dgrad
+    assert MX.grad_format == "e4m3" and MX.quantized_dgrad
+    assert not BF16.quantized_dgrad
 
 
 def test_fp8_gradients_quantize_like_activations():
@@ -327,12 +329,22 @@ def test_fp8_gradients_quantize_like_activations():
     assert torch.equal(fake_quantize_grad(g.bfloat16(), FP8), fake_quantize_act(g.bfloat16(), FP8))
 
 
-@pytest.mark.parametrize("recipe", [BF16, MX])
-def test_native_gradients_pass_through(recipe):
+def test_mx_gradients_quantize_like_mx_activations():
+    """mxfp8_mxfp4's dgrads read MXFP8 gradients: e4m3 with ue8m0 scales in 1x32 blocks along K."""
+    g = randn(3, 5, 96, seed=13)  # every 1x32 block of its own magnitude
+    data, scales = quantize_grad(g, MX)
+    ref_data, ref_scales = quantize_act(g, MX)
+    assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8 and scales.shape == (3, 5, 3)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)) and torch.equal(scales, ref_scales)
+    assert torch.equal(fake_quantize_grad(g, MX), dequantize_grad(data, scales, MX))
+    assert torch.equal(fake_quantize_grad(g.bfloat16(), MX), fake_quantize_act(g.bfloat16(), MX))
+
+
+def test_native_gradients_pass_through():
     g = randn(4, 64, seed=12)
-    data, scales = quantize_grad(g, recipe)
+    data, scales = quantize_grad(g, BF16)
     assert data is g and scales is None
-    assert torch.equal(fake_quantize_grad(g, recipe), g)
+    assert torch.equal(fake_quantize_grad(g, BF16), g)
 
 
 def test_gradient_shape_errors():
@@ -343,8 +355,48 @@ def test_gradient_shape_errors():
     data, scales = quantize_grad(randn(2, 256), FP8)
     with pytest.raises(ValueError, match="dequantize_grad: scales must have shape"):
         dequantize_grad(data, scales[:, :1], FP8)
-    with pytest.raises(ValueError, match="quantized gradients need square weight blocks"):
-        RECIPES["fp8"].__class__("bad", "e4m3", 128, "e4m3", (1, 128), "fp32", 128, grad_format="e4m3")
+    with pytest.raises(ValueError, match="quantized gradients need activation blocks"):
+        RECIPES["fp8"].__class__("bad", "native", 0, "e4m3", (128, 128), "fp32", 128, grad_format="e4m3")
+    with pytest.raises(ValueError, match="the 'mxfp8_mxfp4' gradient block 32"):
+        quantize_grad(torch.randn(2, 48), MX)
+
+
+# ----------------------------------------------------------------------------- the dgrads' weights
+
+
+def test_dgrad_weights_of_square_blocks_are_the_forward_blocks_transposed():
+    w = randn(2, 256, 384, seed=14)
+    w[1, :128, 128:256] *= 40  # one block far larger than the rest
+    data_t, scales_t = quantize_weight_t(w, FP8)
+    data, scales = quantize_weight(w, FP8)
+    assert data_t.shape == (2, 384, 256) and scales_t.shape == (2, 3, 2)
+    assert torch.equal(data_t.view(torch.uint8), data.mT.contiguous().view(torch.uint8))
+    assert torch.equal(scales_t, scales.mT)
+
+
+def test_mx_dgrad_weights_are_blocked_along_the_other_axis():
+    """E2M1 1x32 blocks along N, the dgrad's reduction dim: a quantization of its own. A row of
+    large values sets the scales of its own blocks in the forward's copy, but in the transposed
+    copy those of every column's block of 32 rows that holds it, whose other rows come out
+    coarser there."""
+    w = randn(64, 96, seed=15, spread=False) * 0.01
+    w[5] *= 1000  # one large row
+    data_t, scales_t = quantize_weight_t(w, MX)
+    assert data_t.dtype == torch.uint8 and data_t.shape == (96, 32) and scales_t.shape == (96, 2)
+    data, scales = quantize_weight(w, MX)
+    assert (scales[5] > scales[4]).all()  # the forward's: row 5's own blocks
+    assert (scales_t[:, 0] > scales_t[:, 1]).all()  # the dgrad's: rows 0..31 of every column
+    back, back_fwd = dequantize_weight(data_t, scales_t, MX), dequantize_weight(data, scales, MX).mT
+    assert torch.equal(back, dequantize_weight(*quantize_weight(w.mT.contiguous(), MX), MX))
+    assert ((back - w.mT).abs() <= ue8m0_to_float(scales_t).repeat_interleave(32, -1)).all()
+    others = [r for r in range(32) if r != 5]  # ~1000x below row 5: zeros in the dgrad's copy
+    assert not back[:, others].any()
+    assert (back_fwd - w.mT)[:, others].abs().sum() < 0.2 * w.mT[:, others].abs().sum()
+    assert torch.equal(quantize_weight_t(w, BF16)[0], w.mT) and quantize_weight_t(w, BF16)[1] is None
+    with pytest.raises(ValueError, match="quantize_weight_t: expected a tensor"):
+        quantize_weight_t(torch.ones(32), MX)
+    with pytest.raises(ValueError, match="last dim 48"):
+        quantize_weight_t(torch.ones(32, 48).mT, MX)
 
 
 # ----------------------------------------------------------------------------- wgrad operands (token blocks)

@@ -74,12 +74,14 @@ def test_torch_path_dgrad_operands_match_their_definition(dtype):
     assert ew.w1_t_scales[1, 2, I // 128] == ew.w1_scales[1, 1, 2]  # up chunk 0 is interleaved row block 1
 
 
-def test_dgrad_operands_only_for_fp8():
+def test_dgrad_operands_only_with_a_quantized_dgrad():
     w1 = torch.randn(2, 512, 256)
     w2 = torch.randn(2, 256, 256)
-    for recipe in ("bf16", "mxfp8_mxfp4"):
+    ew = transform_weights(w1, w2, fp8_config(2, 256, 256, "bf16"))
+    assert ew.w1_t is None and ew.w1_t_scales is None and ew.w2_t is None and ew.w2_t_scales is None
+    for recipe in ("fp8", "mxfp8_mxfp4"):  # (mxfp8_mxfp4's: tests/test_weights.py)
         ew = transform_weights(w1, w2, fp8_config(2, 256, 256, recipe))
-        assert ew.w1_t is None and ew.w1_t_scales is None and ew.w2_t is None and ew.w2_t_scales is None
+        assert ew.w1_t is not None and ew.w2_t is not None
     with pytest.raises(ValueError, match="does not quantize"):
         quantize_expert_weights(w1, w2, fp8_config(2, 256, 256, "bf16"))
     with pytest.raises(ValueError, match="w2: expected shape"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from weight_prep_cases import assert_same_bits
 from weight_prep_fp4_cases import (
+    FIELDS,
     check_blocks,
     check_expert_weights,
     check_without_transposed,
@@ -46,7 +47,7 @@ def test_cpu_tensors_take_the_torch_ops_unless_asked():
     cfg = mx_config(2, 64, 96)
     a = transform_weights(w1, w2, cfg)
     b = quantize_expert_weights(w1, w2, cfg, use_kernel=False)
-    for name in ("w1", "w1_scales", "w2", "w2_scales"):
+    for name in FIELDS:
         assert_same_bits(getattr(a, name), getattr(b, name), name)
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -78,8 +79,10 @@ def test_kernel_paths_on_gpu():
 
 @pytest.mark.gpu
 def test_transform_weights_runs_the_kernel_once_per_version_on_gpu(monkeypatch):
-    """On CUDA the cached transform runs the kernel, gives quant.py's bits, hits the cache while the
-    parameters are unchanged and runs it again after an in-place update (a new version)."""
+    """On CUDA the cached transform runs the kernel (one pass per weight, the dgrad's transposed
+    copies included), gives quant.py's bits, hits the cache while the parameters are unchanged and
+    runs it again after an in-place update (a new version), which makes new transposed copies and
+    new derived operands of them too."""
     from megamoe_train.backends import triton_weight_prep
 
     calls = []
@@ -91,11 +94,14 @@ def test_transform_weights_runs_the_kernel_once_per_version_on_gpu(monkeypatch):
     w2 = fp4_master(E, H, I, torch.bfloat16, 22, "cuda").requires_grad_()
     first = transform_weights(w1, w2, cfg)
     assert len(calls) == 2 and transform_weights(w1, w2, cfg) is first and len(calls) == 2
+    first_shifts = first.mx_dgrad_gemm_operands()
     with torch.no_grad():
         w1.mul_(-2.0)
+        w2.mul_(0.5)
     second = transform_weights(w1, w2, cfg)
     assert second is not first and len(calls) == 4
     oracle = quantize_expert_weights(w1, w2, cfg, use_kernel=False)
-    for name in ("w1", "w1_scales", "w2", "w2_scales"):
+    for name in FIELDS:
         assert_same_bits(getattr(second, name), getattr(oracle, name), name)
-    assert second.w1_t is None and second.w2_t is None
+    second_shifts = second.mx_dgrad_gemm_operands()
+    assert second_shifts[0] is second.w1_t and not torch.equal(second_shifts[5], first_shifts[5])

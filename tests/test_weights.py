@@ -7,7 +7,14 @@ import torch
 
 from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import dequantize_weight, fold_mx_weight, quantize_weight, ue8m0_to_float
+from megamoe_train.quant import (
+    dequantize_weight,
+    fold_mx_weight,
+    mx_weight_shifts,
+    quantize_weight,
+    quantize_weight_t,
+    ue8m0_to_float,
+)
 from megamoe_train.weights import (
     _CACHE,
     ExpertWeights,
@@ -136,10 +143,51 @@ def test_fp8_dgrad_operands_are_the_forward_blocks_transposed():
     assert torch.equal(data.view(torch.uint8), ew.w1_t.view(torch.uint8)) and torch.equal(scales, ew.w1_t_scales)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp8_mxfp4"])
-def test_no_dgrad_operands_without_quantized_dgrad(recipe):
-    ew = transform_weights(*master_weights(), config(recipe))
+def test_no_dgrad_operands_without_quantized_dgrad():
+    ew = transform_weights(*master_weights(), config("bf16"))
     assert ew.w1_t is None and ew.w1_t_scales is None and ew.w2_t is None and ew.w2_t_scales is None
+    with pytest.raises(ValueError, match="recipe 'bf16' has no quantized dgrad, so no w1_t"):
+        ew.dequantize_w1_t()
+    with pytest.raises(ValueError, match="no w1_t"):
+        ew.mma_dgrad_operands()
+
+
+def test_mxfp4_dgrad_operands_are_the_transposed_masters_quantized():
+    """w1_t / w2_t of mxfp8_mxfp4: quant.quantize_weight_t of the master weights, fc1 in master
+    order (its columns [gate | up], as dH's), packed E2M1 with 1x32 ue8m0 blocks along 2I and H
+    (H != I so a wrong transpose shows); what the GPU executor's dgrads read of them: the shifts
+    and block scales of the expert GEMM (made once), or the fold to e4m3 (made once)."""
+    hidden, inter = 384, 256
+    g = torch.Generator().manual_seed(6)
+    w1 = torch.randn(E, 2 * inter, hidden, generator=g) * 0.05
+    w2 = torch.randn(E, hidden, inter, generator=g) * 0.05
+    w1[1, inter + 3] = 4.0  # one up row far larger than the rest
+    cfg = MegaMoEConfig(
+        num_experts=E, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="mxfp8_mxfp4"
+    )
+    mx = RECIPES["mxfp8_mxfp4"]
+    ew = transform_weights(w1, w2, cfg)
+    assert ew.w1_t.dtype == torch.uint8 and ew.w1_t.shape == (E, hidden, inter) and ew.w1_t.is_contiguous()
+    assert ew.w1_t_scales.dtype == torch.uint8 and ew.w1_t_scales.shape == (E, hidden, 2 * inter // 32)
+    assert ew.w2_t.shape == (E, inter, hidden // 2) and ew.w2_t_scales.shape == (E, inter, hidden // 32)
+    for (data, scales), master in (((ew.w1_t, ew.w1_t_scales), w1), ((ew.w2_t, ew.w2_t_scales), w2)):
+        want_data, want_scales = quantize_weight_t(master, mx)
+        assert torch.equal(data, want_data) and torch.equal(scales, want_scales)
+    # the large up row lands in column inter + 3 of w1_t: the scales of its 1x32 blocks there
+    big = ew.w1_t_scales[1, :, (inter + 3) // 32]
+    assert (big > ew.w1_t_scales[1, :, (inter + 3) // 32 - 1]).all() and (big > ew.w1_t_scales[0, :, 8]).all()
+    value = ew.dequantize_w1_t()
+    assert value.shape == (E, hidden, 2 * inter)
+    scale = ue8m0_to_float(ew.w1_t_scales).repeat_interleave(32, -1)
+    assert ((value - w1.mT).abs() <= scale).all()  # within one E2M1 step of its own block
+    shifts = ew.mx_dgrad_gemm_operands()
+    assert ew.mx_dgrad_gemm_operands() is shifts and shifts[0] is ew.w1_t and shifts[3] is ew.w2_t
+    for got, want in zip(shifts[1:3] + shifts[4:], mx_weight_shifts(ew.w1_t_scales) + mx_weight_shifts(ew.w2_t_scales)):
+        assert torch.equal(got, want)
+    folded = ew.mma_dgrad_operands()
+    assert ew.mma_dgrad_operands() is folded
+    for got, want in zip(folded, fold_mx_weight(ew.w1_t, ew.w1_t_scales) + fold_mx_weight(ew.w2_t, ew.w2_t_scales)):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_mxfp4_transform_layout():
@@ -163,7 +211,8 @@ def test_mxfp4_transform_layout():
 def test_mxfp4_mma_operands_are_the_folded_weights():
     """The fp8 GEMMs' view of the MX weights: quant.fold_mx_weight of the stored ones (w1 still
     interleaved), made once; at these magnitudes the fold is exact, so they dequantize to the
-    E2M1 values, and the compute copies (the dgrad's) are those values in master order."""
+    E2M1 values, and the compute copies (the forward's weights in bf16, which no MX GEMM reads)
+    are those values in master order."""
     w1, w2 = master_weights(seed=4)
     ew = transform_weights(w1, w2, config("mxfp8_mxfp4"))
     w1_f, w1_fs, w2_f, w2_fs = ew.mma_operands()
@@ -203,6 +252,23 @@ def test_validation_names_the_argument():
         transform_weights(w1.to(torch.int32), w2, cfg)
     with pytest.raises(ValueError, match="w2: expected device cpu"):
         transform_weights(w1, w2.to("meta"), cfg)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8_mxfp4"])
+def test_prepared_weights_need_the_dgrad_copies(recipe):
+    """mega_moe(prepared_weights=) of a recipe with a quantized dgrad: without w1_t / w2_t, or with
+    them of another shape, the call is bad input (the backward would read them)."""
+    import dataclasses
+
+    from megamoe_train.validation import _check_prepared
+
+    cfg = config(recipe)
+    ew = transform_weights(*master_weights(), cfg)
+    assert _check_prepared(ew, cfg, E, torch.device("cpu")) is None
+    missing = dataclasses.replace(ew, w2_t=None)
+    assert "no w2_t, which recipe" in _check_prepared(missing, cfg, E, torch.device("cpu"))
+    wrong = dataclasses.replace(ew, w1_t=ew.w1_t[:, : H // 2])
+    assert "prepared_weights: w1_t is" in _check_prepared(wrong, cfg, E, torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- cache

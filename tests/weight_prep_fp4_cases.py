@@ -11,11 +11,12 @@ from weight_prep_cases import assert_same_bits
 
 from megamoe_train.config import MegaMoEConfig
 from megamoe_train.precision import RECIPES
-from megamoe_train.quant import E2M1_VALUES, quantize_weight
+from megamoe_train.quant import E2M1_VALUES, quantize_weight, quantize_weight_t
 from megamoe_train.weights import interleave_gate_up, quantize_expert_weights
 
 MX = RECIPES["mxfp8_mxfp4"]
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
+FIELDS = ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "w2_t_scales")
 
 
 def tie_tile(g: torch.Generator) -> torch.Tensor:
@@ -91,11 +92,12 @@ def fp4_master(e: int, n: int, k: int, dtype: torch.dtype, seed: int, device="cp
 
 def reference(w: torch.Tensor, chunk: int | None) -> tuple[torch.Tensor, ...]:
     """What the kernel must write: quant.quantize_weight of the interleaved master (interleaving
-    1 x 32 blocks' data and scales rows alike) and of the master transposed."""
+    1 x 32 blocks' data and scales rows alike) and quant.quantize_weight_t of the master (the
+    dgrad's copy: transposed, in master order, blocked along the master's rows)."""
     data, scales = quantize_weight(w, MX)
     if chunk is not None:
         data, scales = interleave_gate_up(data, chunk), interleave_gate_up(scales, chunk)
-    data_t, scales_t = quantize_weight(w.mT.contiguous(), MX)
+    data_t, scales_t = quantize_weight_t(w, MX)
     return data, scales, data_t, scales_t
 
 
@@ -131,7 +133,8 @@ def check_specials_present() -> None:
 
 
 def check_expert_weights(e: int, inter: int, hidden: int, device="cpu", seed=0) -> None:
-    """quantize_expert_weights for mxfp8_mxfp4: the kernel path == the torch path, every field."""
+    """quantize_expert_weights for mxfp8_mxfp4: the kernel path == the torch path, every field,
+    the dgrad's transposed copies (w1_t, w2_t: quant.quantize_weight_t of the masters) included."""
     cfg = MegaMoEConfig(
         num_experts=e, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe=MX.name
     )
@@ -140,10 +143,13 @@ def check_expert_weights(e: int, inter: int, hidden: int, device="cpu", seed=0) 
         w2 = fp4_master(e, hidden, inter, dtype, seed + 1, device)
         got = poisoned(quantize_expert_weights, w1, w2, cfg, use_kernel=True)
         want = quantize_expert_weights(w1, w2, cfg, use_kernel=False)
-        for name in ("w1", "w1_scales", "w2", "w2_scales"):
+        for name in FIELDS:
             assert getattr(got, name).is_contiguous(), name
             assert_same_bits(getattr(got, name), getattr(want, name), f"{name} ({dtype}, E={e} I={inter} H={hidden})")
-        assert got.w1_t is got.w2_t is got.w1_t_scales is got.w2_t_scales is None
+        for name, master in (("w1_t", w1), ("w2_t", w2)):
+            data_t, scales_t = quantize_weight_t(master, MX)
+            assert_same_bits(getattr(got, name), data_t, f"{name} against quantize_weight_t ({dtype})")
+            assert_same_bits(getattr(got, f"{name}_scales"), scales_t, f"{name}_scales against quantize_weight_t")
         assert got.chunk == want.chunk == MX.gate_up_chunk
         seed += 2
 

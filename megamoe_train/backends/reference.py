@@ -12,9 +12,12 @@ Numerics (what every fast path must reproduce):
   0..R-1, then the shared experts' row, and rounds to config.dtype;
 - backward treats every forward quantization as identity (straight-through) and computes in
   float32 on the dequantized forward operands; dY travels in config.dtype. With a quantized
-  dgrad (recipe.grad_format, fp8) the two dgrad GEMMs read the output gradients as the recipe
-  stores them (quant.fake_quantize_grad): dY rows [P, H] for grad_act = dY_q @ W2, and dH rows
-  [P, 2I] in master order [gate | up] for dX = dH_q @ W1 (fc1 in master order). The weight
+  dgrad (recipe.grad_format: fp8, mxfp8_mxfp4) the two dgrad GEMMs read the output gradients as
+  the recipe stores them (quant.fake_quantize_grad): dY rows [P, H] for grad_act = dY_q @ W2, and
+  dH rows [P, 2I] in master order [gate | up] (quantized from fp32) for dX = dH_q @ W1; and the
+  weights as the recipe quantizes them for the dgrad (ExpertWeights.w2_t / w1_t, dequantized:
+  quant.quantize_weight_t of the master weights, fc1 in master order; for fp8 the forward's
+  values, for mxfp8_mxfp4 E2M1 blocked along the dgrad's reduction dim). The weight
   gradients dW2 = dY^T a and dW1 = dH^T x read the unquantized dY and dH (fp32) and the stored
   activations; with a quantized wgrad (recipe.wgrad_format, fp8) both operands of each go
   through quant.fake_quantize_tokens over the expert's rows in pool order (1x128 blocks along
@@ -225,13 +228,17 @@ class ReferenceExecutor:
         wgrad_targets=None,
     ):
         """(dX rows in config.dtype, d(topk weight) per row fp32, grad_w1 [gate; up], grad_w2), fp32
-        on the dequantized weights; fc1 and dH in master order [gate; up]. With wgrad_targets
-        (w1's, w2's main_grad.WgradTarget) the weight gradients go into them and None is returned
-        for both."""
+        on the dequantized weights (the dgrad's, w1_t / w2_t, where the recipe quantizes the
+        dgrad); fc1 and dH in master order [gate; up]. With wgrad_targets (w1's, w2's
+        main_grad.WgradTarget) the weight gradients go into them and None is returned for both."""
         recipe = cfg.precision
-        w1 = deinterleave_gate_up(weights.dequantize_w1(), weights.chunk)
-        w2 = weights.dequantize_w2()
-        grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        if recipe.quantized_dgrad:  # [E, 2I, H] and [E, H, I] as the dgrads read them
+            w1, w2 = weights.dequantize_w1_t().mT, weights.dequantize_w2_t().mT
+        else:
+            w1 = deinterleave_gate_up(weights.dequantize_w1(), weights.chunk)
+            w2 = weights.dequantize_w2()
+        grad_w1 = torch.zeros(w1.shape, dtype=torch.float32, device=w1.device)
+        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device)
         P = plan.pool_rows
         dx_rows = torch.zeros(P, cfg.hidden, dtype=cfg.dtype, device=pool_grad.device)
         dw_rows = torch.zeros(P, dtype=torch.float32, device=pool_grad.device)

@@ -25,8 +25,11 @@
   SwiGLU kernel quantizes the L2 input the same way (MXFP8, folded); the weights are folded to e4m3
   with 128x128 scales once per weight version (ExpertWeights.mma_operands), or, with
   MEGAMOE_MX_GEMM=expanded, read as stored (4 bits a weight) and expanded in shared memory by our
-  expert GEMM (fp8_expert_gemm_mx, the same bits; 1.6-1.7x slower, docs/decisions.md). Its backward is the
-  bf16 one (dgrads on the dequantized compute copies, bf16 wgrads on the dequantized activations);
+  expert GEMM (fp8_expert_gemm_mx, the same bits; 1.5-1.9x slower, docs/decisions.md). Its dgrads
+  are quantized like fp8's, on the same GEMMs: dY quantized to MXFP8 and folded in its pull, dH by
+  the SwiGLU backward, against the E2M1 copies of the transposed master weights
+  (ExpertWeights.w2_t / w1_t, blocked along the dgrad's K), folded or read as stored like the
+  forward's; its wgrads are bf16 on the dequantized activations;
 - push: one kernel sums the output rows of each received (source, token) in fp32 in slot
   order and stores one partial row into the home rank's buffer (and d(topk weight) per slot);
 - reduce: one kernel sums the home's partials in owner-rank order, then the shared row.
@@ -112,8 +115,9 @@ class TritonPoolInputs:
 
 @dataclass
 class TritonPoolGrad:
-    """dY's pool rows: as pulled (compute dtype; the W2 wgrad reads them), and with an fp8 dgrad
-    also quantized in the same pass (e4m3 + 1x128 scales; the L2 dgrad reads them)."""
+    """dY's pool rows: as pulled (compute dtype; the W2 wgrad reads them), and with a quantized
+    dgrad also quantized in the same pass (e4m3 + fp32 1x128 scales, the MX recipe's folded from
+    its 1x32 ones; the L2 dgrad reads them)."""
 
     rows: torch.Tensor
     q: torch.Tensor | None = None
@@ -163,6 +167,28 @@ def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
     if _cutlass_fp8(a.device):
         return cutlass_gemm.fp8_grouped_gemm(a, a_scales, b, b_scales, plan.expert_ends, out)
     return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
+
+
+def _mx_expert_gemm(device: torch.device) -> bool:
+    """The one place that picks the MX recipe's GEMMs: CUTLASS fp8 on the weights folded to e4m3
+    (the default), or with MEGAMOE_MX_GEMM=expanded our expert GEMM reading the E2M1 weights as
+    stored, where built."""
+    return _MX_GEMM == "expanded" and cutlass_gemm.has_expert_gemm_mx(device)
+
+
+def _dgrad_gemm(cfg, weights: ExpertWeights, fc: int, a, a_scales, plan: Plan, out, align: int):
+    """The quantized dgrad of fc `fc` (2: grad_act = dY_q W2, out [P, I]; 1: grad_x = dH_q W1, out
+    [P, H]): out[rows of e] = (a * a_scales)[rows] @ W_t[e]^T with W_t = weights.w2_t [E, I, H] or
+    w1_t [E, H, 2I], a e4m3 with fp32 1x128 scales. fp8: the fp8 grouped GEMM on the stored e4m3
+    copies. MX: our expert GEMM on the E2M1 copies as stored (fp8_expert_gemm_mx, N = I or H and
+    K = H or 2I), or the fp8 grouped GEMM on them folded to e4m3 (ExpertWeights.mma_dgrad_operands)."""
+    if cfg.precision.mx and _mx_expert_gemm(a.device):
+        operands = weights.mx_dgrad_gemm_operands()  # w1_t's three, then w2_t's
+        b = operands[:3] if fc == 1 else operands[3:]
+        return cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, plan.expert_ends, out)
+    operands = weights.mma_dgrad_operands()  # w1_t, its scales, w2_t, its scales
+    b = operands[:2] if fc == 1 else operands[2:]
+    return _fp8_grouped_gemm(a, a_scales, *b, plan, out, align)
 
 
 def _tokens_t(src, src_scales, plan: Plan):
@@ -384,6 +410,7 @@ class TritonExecutor:
             plan,
             quant_pool=grad.q,
             quant_scales=grad.q_scales,
+            quant_mx=cfg.precision.mx,
         )
         return grad
 
@@ -404,7 +431,7 @@ class TritonExecutor:
         act_scales = (
             torch.empty(P, recipe.mma_scale_cols(I), dtype=torch.float32, device=dev) if recipe.quantized else None
         )
-        if recipe.mx and _MX_GEMM == "expanded" and cutlass_gemm.has_expert_gemm_mx(dev):
+        if recipe.mx and _mx_expert_gemm(dev):
             return self._mx_experts_forward(cfg, weights, plan, pool, act, act_scales)
         w1, w1_scales, w2, w2_scales = weights.mma_operands()
         if recipe.quantized and _fused_fp8_forward(cfg, weights, dev):
@@ -461,7 +488,7 @@ class TritonExecutor:
         pool_grad: TritonPoolGrad,
         wgrad_targets=None,
     ):
-        """pool_grad: pull_grad's; without its quantized rows (q None) an fp8 dgrad quantizes them here."""
+        """pool_grad: pull_grad's; without its quantized rows (q None) a quantized dgrad quantizes them here."""
         recipe, align = cfg.precision, self.row_align(cfg)
         grad_rows = pool_grad.rows
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, grad_rows.device
@@ -473,9 +500,14 @@ class TritonExecutor:
             if grad_q is None:
                 grad_q = torch.empty(P, H, dtype=e4m3, device=dev)
                 grad_q_scales = torch.empty(P, H // 128, dtype=torch.float32, device=dev)
-                K_.quantize_rows(grad_rows, grad_q, grad_q_scales, plan.num_rows)
+                if recipe.mx:  # MXFP8, then folded in place for the fp8 MMA
+                    mx_scales = torch.empty(P, H // 32, dtype=torch.uint8, device=dev)
+                    K_.quantize_rows_mx(grad_rows, grad_q, mx_scales, plan.num_rows)
+                    K_.fold_mx_rows(grad_q, mx_scales, grad_q_scales, plan.num_rows)
+                else:
+                    K_.quantize_rows(grad_rows, grad_q, grad_q_scales, plan.num_rows)
             grad_act = torch.empty(P, I, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(grad_q, grad_q_scales, weights.w2_t, weights.w2_t_scales, plan, grad_act, align)
+            _dgrad_gemm(cfg, weights, 2, grad_q, grad_q_scales, plan, grad_act, align)
             grad_h_q = torch.empty(P, 2 * I, dtype=e4m3, device=dev)
             grad_h_scales = torch.empty(P, 2 * I // 128, dtype=torch.float32, device=dev)
             K_.swiglu_backward(
@@ -489,9 +521,10 @@ class TritonExecutor:
                 cfg.activation_clamp,
                 grad_h_q,
                 grad_h_scales,
+                mx=recipe.mx,
             )
             grad_x_rows = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-            _fp8_grouped_gemm(grad_h_q, grad_h_scales, weights.w1_t, weights.w1_t_scales, plan, grad_x_rows, align)
+            _dgrad_gemm(cfg, weights, 1, grad_h_q, grad_h_scales, plan, grad_x_rows, align)
         else:
             w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
             grad_act = _bf16_grouped_gemm(grad_rows, w2, plan, transposed=True)

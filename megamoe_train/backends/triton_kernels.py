@@ -101,14 +101,19 @@ def _pull_expand_kernel(
     SBLOCK: tl.constexpr,
     WEIGHTS: tl.constexpr,
     QUANT: tl.constexpr,
+    QUANT_MX: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
 ):
     """Programs [0, num_pull_progs): each received row u is read once from rank recv_src[u]
     (row recv_token[u] of the region) and stored into pool row recv_rows[u, k] of every slot k
     it has here; with SCALES its scale row the same way (fp8 inputs), with WEIGHTS slot k's topk
     weight into row_weights[recv_rows[u, k]], with QUANT the row also quantized once (e4m3 bytes
-    + one fp32 scale per 1x128 block, quantize_rows' bits) into quant_pool / quant_scales. The
-    other programs zero the padding rows (row_recv < 0) of the live pool (and their scales,
-    weights and quantized rows: quantize_rows' bits for a zero row)."""
+    + one fp32 scale per 1x128 block, quantize_rows' bits; with QUANT_MX mxfp8_mxfp4's MXFP8 folded
+    to 1x128, _mx_quantize_fold's bits) into quant_pool / quant_scales. The other programs zero
+    the padding rows (row_recv < 0) of the live pool (and their scales, weights and quantized
+    rows: the quantizer's bits for a zero row). BF16_BITS: bf16 rows widened to fp32 by a shift
+    for the MX quantizer (exact for subnormals too, which the interpreter's cast gets wrong)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     QB: tl.constexpr = BLOCK // 128  # 1x128 quantization blocks per BLOCK columns (QUANT)
@@ -125,8 +130,15 @@ def _pull_expand_kernel(
                 if QUANT:  # the row as [QB, 128] blocks: one read for the copy and its quantization
                     qm = (c + qcols) < width
                     v2 = tl.load(row + c + qcols, mask=qm, other=0.0)
-                    q, qs = _e4m3_blocks(v2.to(tl.float32))
-                    q = q.to(tl.uint8, bitcast=True)
+                    if QUANT_MX:
+                        if BF16_BITS:
+                            v32 = (v2.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                        else:
+                            v32 = v2.to(tl.float32)
+                        q, qs = _mx_quantize_fold(v32, SOFT_CAST)
+                    else:
+                        q, qs = _e4m3_blocks(v2.to(tl.float32))
+                        q = q.to(tl.uint8, bitcast=True)
                     sidx = c // 128 + tl.arange(0, QB)
                     for k in tl.static_range(TOPK):
                         dest = tl.load(recv_rows + tl.cast(u, tl.int64) * TOPK + k).to(tl.int64)
@@ -177,12 +189,16 @@ def _pull_expand_kernel(
                 if WEIGHTS:
                     tl.store(row_weights + p, 0.0)
                 if QUANT:
-                    zq, zs = _e4m3_blocks(tl.zeros([QB, 128], dtype=tl.float32))
+                    if QUANT_MX:
+                        zq, zs = _mx_quantize_fold(tl.zeros([QB, 128], dtype=tl.float32), SOFT_CAST)
+                    else:
+                        zq, zs = _e4m3_blocks(tl.zeros([QB, 128], dtype=tl.float32))
+                        zq = zq.to(tl.uint8, bitcast=True)
                     for c in range(0, width, BLOCK):
                         sidx = c // 128 + tl.arange(0, QB)
                         tl.store(
                             quant_pool + tl.cast(p, tl.int64) * width + c + qcols,
-                            zq.to(tl.uint8, bitcast=True),
+                            zq,
                             mask=(c + qcols) < width,
                         )
                         tl.store(
@@ -206,6 +222,7 @@ def pull_expand(
     row_weights=None,
     quant_pool=None,
     quant_scales=None,
+    quant_mx: bool = False,
     recv_per_prog: int = 4,
     rows_per_prog: int = 16,
 ):
@@ -214,7 +231,9 @@ def pull_expand(
     the same pass: the rows' scales (scales_region -> scales_pool [P, width/128], fp8 inputs),
     each pool row's topk weight (weights_region, the sources' [T, K] -> row_weights [P]), and
     (16-bit rows) the rows quantized as quantize_rows does, e4m3 quant_pool [P, width] + fp32
-    quant_scales [P, width/128] (the fp8 dgrad's dY), once per received row."""
+    quant_scales [P, width/128] (the fp8 dgrad's dY), once per received row; with quant_mx as
+    mxfp8_mxfp4 quantizes them and folded for the fp8 GEMMs instead (the MX dgrad's dY:
+    quant.fold_mx_act(*quant.quantize_grad(rows)), the same layout)."""
     pool = _movable(pool)
     width = pool.shape[1]
     block = min(triton.next_power_of_2(width), 2048)
@@ -262,6 +281,9 @@ def pull_expand(
         SBLOCK=triton.next_power_of_2(num_scales),
         WEIGHTS=weights,
         QUANT=quant,
+        QUANT_MX=quant and quant_mx,
+        BF16_BITS=pool.dtype == torch.bfloat16,
+        SOFT_CAST=pool.device.type == "cpu",
         num_warps=4,
     )
 
@@ -896,6 +918,8 @@ def _swiglu_backward_kernel(
     CHUNK: tl.constexpr,
     HAS_CLAMP: tl.constexpr,
     QUANT: tl.constexpr,
+    MX: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -903,7 +927,8 @@ def _swiglu_backward_kernel(
     interleaved (forward's layout); dL/dh is written in master order [gate | up], so the weight
     gradient of fc1 comes out in Megatron's layout with no reordering pass. With QUANT, dL/dh
     also as the fp8 dgrad reads it: e4m3 + one fp32 scale per 1x128 block, quantized from the
-    fp32 values (each BLOCK_C = 128 columns of gate or up are one block).
+    fp32 values (each BLOCK_C = 128 columns of gate or up are one block); with MX as well,
+    mxfp8_mxfp4's 1x32 rounding then folded to 1x128 (_mx_quantize_fold; grad_h_q as uint8).
     One program owns whole rows, so the dL/dw sum has a fixed order (bitwise repeatable)."""
     num_rows = tl.load(num_rows_ptr)
     r0 = tl.program_id(0) * BLOCK_R
@@ -937,8 +962,12 @@ def _swiglu_backward_kernel(
         tl.store(grad_h + rows[:, None] * gh_stride + j[None, :], dg.to(out_ty), mask=rmask[:, None])
         tl.store(grad_h + rows[:, None] * gh_stride + inter + j[None, :], du.to(out_ty), mask=rmask[:, None])
         if QUANT:
-            qg, sg = _e4m3_blocks(dg)
-            qu, su = _e4m3_blocks(du)
+            if MX:
+                qg, sg = _mx_quantize_fold(dg, SOFT_CAST)
+                qu, su = _mx_quantize_fold(du, SOFT_CAST)
+            else:
+                qg, sg = _e4m3_blocks(dg)
+                qu, su = _e4m3_blocks(du)
             tl.store(grad_h_q + rows[:, None] * ghq_stride + j[None, :], qg, mask=rmask[:, None])
             tl.store(grad_h_q + rows[:, None] * ghq_stride + inter + j[None, :], qu, mask=rmask[:, None])
             tl.store(grad_h_scales + rows * ghs_stride + c // BLOCK_C, sg, mask=rmask)
@@ -959,17 +988,22 @@ def swiglu_backward(
     grad_h_scales=None,
     block_r: int = 8,
     num_warps: int = 4,
+    mx: bool = False,
 ):
     """SwiGLU + topk weight backward over the live rows: grad_h [P, 2I] master order (compute dtype),
     d(topk weight) per row fp32; with grad_h_q / grad_h_scales also the e4m3 dH [P, 2I] and its
-    fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad. block_r / num_warps: rows per program and
-    its warps (8 / 4 measured best at S1, 9-17% under 16 / 4: benchmarks/bench_row_kernels.py)."""
+    fp32 1x128 scales [P, 2I/128] for the fp8 L1 dgrad (mx: quant.fold_mx_act(*quant.quantize_grad(
+    dH, mxfp8_mxfp4)) of the fp32 dH, the MX L1 dgrad's operand). block_r / num_warps: rows per
+    program and its warps (8 / 4 measured best at S1, 9-17% under 16 / 4:
+    benchmarks/bench_row_kernels.py)."""
     rows, inter = grad_act.shape
     assert inter % 128 == 0, "intermediate size must be a multiple of 128"
     quant = grad_h_q is not None
+    assert quant or not mx, "mx: needs grad_h_q and grad_h_scales"
     if quant:
         assert grad_h_q.shape == grad_h.shape and grad_h_scales.shape == (rows, 2 * inter // 128)
         assert grad_h_q.stride(1) == 1 and grad_h_scales.stride(1) == 1
+        assert grad_h_q.dtype == torch.float8_e4m3fn and grad_h_scales.dtype == torch.float32
     grid = (triton.cdiv(rows, block_r),)
     _swiglu_backward_kernel[grid](
         h,
@@ -981,7 +1015,7 @@ def swiglu_backward(
         grad_h.stride(0),
         grad_weight,
         num_rows,
-        grad_h_q if quant else grad_h,
+        (grad_h_q.view(torch.uint8) if mx else grad_h_q) if quant else grad_h,
         grad_h_q.stride(0) if quant else 0,
         grad_h_scales if quant else grad_weight,
         grad_h_scales.stride(0) if quant else 0,
@@ -990,6 +1024,8 @@ def swiglu_backward(
         CHUNK=chunk,
         HAS_CLAMP=clamp is not None,
         QUANT=quant,
+        MX=mx,
+        SOFT_CAST=mx and h.device.type == "cpu",
         BLOCK_R=block_r,
         BLOCK_C=128,
         num_warps=num_warps,

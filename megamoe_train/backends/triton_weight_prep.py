@@ -22,10 +22,11 @@ _e4m3_bits / _e4m3_value, shared with its MX row kernels); on the GPU the hardwa
 
 `quantize_e2m1_blocks` does the same for the mxfp8_mxfp4 recipe's E2M1 weights with ue8m0 scales in
 1 x 32 blocks: one pass over the master weight writes the packed codes and scales in kernel layout
-(blocks along K, fc1 rows interleaved) and, optionally, the transposed copy (blocks along N: the
-layout a dgrad reading W transposed would take, a quantization of its own since the blocks are not
-square). Bit for bit quant.quantize_weight, with integer ops and one multiply by an exact power of
-two, the same on the GPU and in the interpreter (no soft casts needed).
+(blocks along K, fc1 rows interleaved) and, optionally, the dgrad's transposed copy (the master
+weight transposed, blocks along N: quant.quantize_weight_t, a quantization of its own since the
+blocks are not square). Bit for bit quant.quantize_weight / quantize_weight_t, with integer ops and
+one multiply by an exact power of two, the same on the GPU and in the interpreter (no soft casts
+needed).
 
 `fold_e2m1_blocks` turns those kernel-layout E2M1 weights into the operand of Hopper's fp8 GEMMs
 (quant.fold_mx_weight, bit for bit): e4m3 elements against each 128 x 128 block's largest 1 x 32
@@ -471,8 +472,9 @@ def quantize_e2m1_blocks(
     even element in the low nibble) and scales [E, N, K/32] uint8 in kernel layout (with chunk:
     rows gate/up interleaved in chunks of `chunk` rows, else master order); data_t [E, K, N/2] and
     scales_t [E, K, N/32]: the master-order weight transposed, quantized in 1 x 32 blocks along N
-    (other blocks than data's, so not data transposed); None, None without `transposed`. Bit for
-    bit quant.quantize_weight of the (interleaved, resp. transposed) master weight. tile: the
+    (other blocks than data's, so not data transposed; the quantized dgrad's weights); None, None
+    without `transposed`. Bit for bit quant.quantize_weight of the interleaved master weight and
+    quant.quantize_weight_t of the master weight. tile: the
     (rows, cols) one program reads at most, powers of two of at least 32 (smaller where the shape
     needs).
     """
