@@ -88,7 +88,7 @@ def test_transform_weights_runs_the_kernel_once_per_version_on_gpu(monkeypatch):
     calls = []
     real = triton_weight_prep.quantize_e2m1_blocks
     monkeypatch.setattr(triton_weight_prep, "quantize_e2m1_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
-    E, I, H = 2, 352, 416
+    E, I, H = 2, 384, 640  # the expert GEMM's operands (mx_dgrad_gemm_operands) need multiples of 128
     cfg = mx_config(E, I, H)
     w1 = fp4_master(E, 2 * I, H, torch.bfloat16, 21, "cuda").requires_grad_()
     w2 = fp4_master(E, H, I, torch.bfloat16, 22, "cuda").requires_grad_()
