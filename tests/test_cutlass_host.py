@@ -178,6 +178,37 @@ def test_bf16_grouped_gemm_rejects_bad_operands_before_touching_a_device(args, m
         cutlass_gemm.bf16_grouped_gemm(*args)
 
 
+@pytest.mark.parametrize("hidden, inter", [(384, 256), (256, 640)])
+def test_expert_gemm_mx_takes_the_mx_dgrad_operands(hidden, inter):
+    """The MX dgrads on fp8_expert_gemm_mx, its operands as the weight transform and the executor
+    make them: L2 A = dY [P, H] by w2_t (N = I, K = H), L1 A = dH [P, 2I] by w1_t (N = H, K = 2I),
+    each with quant.mx_weight_shifts of its scales. Every check before the device one passes; the
+    forward's copies (blocked along the other axis) in their place fail on their shape."""
+    from megamoe_train import MegaMoEConfig, transform_weights
+
+    E, P = 2, 48
+    cfg = MegaMoEConfig(
+        num_experts=E, hidden=hidden, intermediate=inter, topk=1, num_max_tokens_per_rank=8, recipe="mxfp8_mxfp4"
+    )
+    ew = transform_weights(torch.randn(E, 2 * inter, hidden), torch.randn(E, hidden, inter), cfg)
+    w1_t, w1_t_shifts, w1_t_scales, w2_t, w2_t_shifts, w2_t_scales = ew.mx_dgrad_gemm_operands()
+    ends = torch.tensor([20, P], dtype=torch.int32)
+    for k, n, b in (
+        (hidden, inter, (w2_t, w2_t_shifts, w2_t_scales)),
+        (2 * inter, hidden, (w1_t, w1_t_shifts, w1_t_scales)),
+    ):
+        a, a_scales = torch.zeros(P, k, dtype=E4M3), torch.ones(P, k // 128)
+        out = torch.empty(P, n, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="fp8_expert_gemm_mx: the operands must be CUDA tensors"):
+            cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, ends, out)
+    w1, w1_shifts, w1_scales, w2, w2_shifts, w2_scales = ew.mx_gemm_operands()
+    a, a_scales = torch.zeros(P, hidden, dtype=E4M3), torch.ones(P, hidden // 128)
+    with pytest.raises(ValueError, match="fp8_expert_gemm_mx: .*b must be"):  # W2 [H, I/2] is not W2^T
+        cutlass_gemm.fp8_expert_gemm_mx(
+            a, a_scales, w2, w2_shifts, w2_scales, ends, torch.empty(P, inter, dtype=torch.bfloat16)
+        )
+
+
 def test_row_grouped_gemms_reject_k_zero():
     # K = 0: the CUTLASS main loop would run no K step and store uncleared accumulators
     ends = torch.tensor([8, 16], dtype=torch.int32)
