@@ -89,6 +89,12 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     def mx_l2():
         cutlass_gemm.fp8_expert_gemm_mx(act, act_s, *w2_mx, ends, out)
 
+    def mx_shared_l1():  # the math warpgroups share the expansion (variant + 32)
+        cutlass_gemm.fp8_expert_gemm_mx(xq, xs, *w1_mx, ends, h, 32)
+
+    def mx_shared_l2():
+        cutlass_gemm.fp8_expert_gemm_mx(act, act_s, *w2_mx, ends, out, 32)
+
     def folded_l1():
         cutlass_gemm.fp8_expert_gemm(xq, xs, *w1_folded, ends, h)
 
@@ -96,7 +102,7 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
         cutlass_gemm.fp8_expert_gemm(act, act_s, *w2_folded, ends, out)
 
     if once:  # each GEMM launched once, nothing timed: for Nsight Compute
-        for fn in (split_l1, l2_cutlass, fused_l1, ours_l1_plain, l2_ours, mx_l1, mx_l2):
+        for fn in (split_l1, l2_cutlass, fused_l1, ours_l1_plain, l2_ours, mx_l1, mx_l2, mx_shared_l1, mx_shared_l2):
             fn()
         torch.cuda.synchronize()
         return []
@@ -114,7 +120,12 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
     del ref_h, ref_out
     mx_same = True  # the E2M1 kernel's bits equal the folded weights' product
-    for mx_fn, folded_fn, dst in ((mx_l1, folded_l1, h), (mx_l2, folded_l2, out)):
+    for mx_fn, folded_fn, dst in (
+        (mx_l1, folded_l1, h),
+        (mx_l2, folded_l2, out),
+        (mx_shared_l1, folded_l1, h),
+        (mx_shared_l2, folded_l2, out),
+    ):
         folded_fn()
         want = dst[:rows].clone()
         mx_fn()
@@ -146,6 +157,8 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
             ("dead skipped L2", lambda: l2_ours(16)),
             ("mx L1", mx_l1),
             ("mx L2", mx_l2),
+            ("mx shared L1", mx_shared_l1),
+            ("mx shared L2", mx_shared_l2),
             ("folded L1", folded_l1),
             ("folded L2", folded_l2),
         )
@@ -192,6 +205,10 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
         f"| {shape} | {G} | {useful} | {P} | mxfp4 weights expanded in smem (plain L1) | {t['mx L1']:.3f} "
         f"({tf(f1, t['mx L1'])}) | - | {t['mx L2']:.3f} ({tf(f2, t['mx L2'])}) | {t['mx L1'] + t['mx L2']:.3f} "
         f"| {mx_floor1 + mx_floor2:.3f} | {'same bits as folded' if mx_same else 'OTHER BITS than folded'} |",
+        f"| {shape} | {G} | {useful} | {P} | mxfp4 weights expanded in smem by every warpgroup (plain L1) | "
+        f"{t['mx shared L1']:.3f} ({tf(f1, t['mx shared L1'])}) | - | {t['mx shared L2']:.3f} "
+        f"({tf(f2, t['mx shared L2'])}) | {t['mx shared L1'] + t['mx shared L2']:.3f} "
+        f"| {mx_floor1 + mx_floor2:.3f} | |",
         f"| {shape} | {G} | {useful} | {P} | mxfp4 weights folded to e4m3 in HBM (plain L1) | {t['folded L1']:.3f} "
         f"({tf(f1, t['folded L1'])}) | - | {t['folded L2']:.3f} ({tf(f2, t['folded L2'])}) "
         f"| {t['folded L1'] + t['folded L2']:.3f} | {floor1 + floor2:.3f} | |",

@@ -241,7 +241,7 @@ def mx_weights(groups, n, k, seed):
 @needs_mx_kernel
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("n,k", [(256, 512), (384, 128), (128, 1152)])
-@pytest.mark.parametrize("variant", [0, 1, 4, 5, 16])
+@pytest.mark.parametrize("variant", [0, 1, 4, 5, 16, 32, 33, 36, 48])
 def test_mx_expands_to_the_folded_weights_bit_for_bit(sizes, n, k, variant):
     """fp8_expert_gemm_mx (E2M1 expanded in shared memory) == fp8_expert_gemm on
     quant.fold_mx_weight's e4m3 weights: the same products in the same order, so the same bits;

@@ -81,8 +81,8 @@ const char* run(const Params& p, int device, cudaStream_t stream) {
 }
 
 // expert_gemm.h: bits 2 and 3 only with the staged schedule, bit 3 only for SwiGLU, bit 4 with any
-bool valid_variant(int variant, bool swiglu) {
-  if (variant < 0 || variant > 31 || ((variant & 8) && !swiglu)) return false;
+bool valid_variant(int variant, bool swiglu, bool mx = false) {
+  if (variant < 0 || variant > (mx ? 63 : 31) || ((variant & 8) && !swiglu)) return false;
   return !((variant & 2) && (variant & 12));
 }
 
@@ -104,8 +104,9 @@ const char* launch(const ExpertGemmArgs& a) {
                    : "N and K must be multiples of 128 (K > 0)";
   if (kSwiGLU && (a.chunk <= 0 || a.chunk % expert_sm90::kBlockN || (a.n / 2) % a.chunk))
     return "chunk must be a multiple of 128 dividing N/2";
-  if (!valid_variant(a.variant, kSwiGLU))
+  if (!valid_variant(a.variant, kSwiGLU, kMx))
     return kSwiGLU ? "variant must be in [0, 31], bit 1 without bits 2 and 3 (expert_gemm.h)"
+           : kMx   ? "variant must be in [0, 63] without bit 3, bit 1 without bit 2 (expert_gemm.h)"
                    : "variant must be in [0, 31] without bit 3, bit 1 without bit 2 (expert_gemm.h)";
   if (kMx && (a.variant & 2)) return "E2M1 weights run on the staged schedule only: variant without bit 1";
   if (kMx && (a.n % expert_sm90::kBlockN || !a.b_shifts)) return "E2M1 weights need N % 128 == 0 and b_shifts";
@@ -137,6 +138,7 @@ const char* launch(const ExpertGemmArgs& a) {
   p.clamp = a.clamp;
   p.has_clamp = a.has_clamp ? 1 : 0;
   p.skip_dead = (a.variant & 16) ? 1 : 0;
+  p.math_expand = kMx && (a.variant & 32) ? 1 : 0;
 
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const bool stagger = !(a.variant & 4);

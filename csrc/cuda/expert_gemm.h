@@ -41,7 +41,8 @@ struct ExpertGemmArgs {
   // bit 3 set (SwiGLU, staged only): the up block's epilogue in place at the block's end (the
   // 2026-12-03 schedule), else deferred into passes of 8 rows under the next unit's wgmmas;
   // bit 4 set: a tile's 64-row halves (a pair CTA's shares) wholly past the group's end are not
-  // loaded, and on the staged schedule their math warpgroup issues no wgmma (same bits)
+  // loaded, and on the staged schedule their math warpgroup issues no wgmma (same bits);
+  // bit 5 set (expert_gemm_mx only): the math warpgroups share the E2M1 expansion (same bits)
   int variant;
   void* stream;
   int device;

@@ -48,6 +48,11 @@
 //   swizzled layout (a table per shift: the E2M1 magnitudes times 2^-shift, rounded as e4m3;
 //   two byte permutes per 4 elements), and the math warpgroups wait for that instead of the TMA.
 //   b_scales holds the 128x128 blocks' 2^max, so the product is quant.fold_mx_weight's bit for bit.
+//   math_expand: three converter warps bound the main loop (2026-12-07: 1.5-1.9x the folded
+//   weights' time), so the 256 math threads take part too: after issuing a stage's wgmmas each
+//   expands its share of the stage two ahead (352 converters, one or two tasks each), which their
+//   wgmmas and the other warpgroup's cover; two ahead, so no warpgroup waits on the one staggered
+//   behind it.
 #pragma once
 
 #include <cuda.h>
@@ -131,6 +136,7 @@ struct Params {
   int has_clamp;
   const uint8_t* b_shifts;     // kMx: [G, N/128, K/128, 128, 4], quant.mx_weight_shifts
   int skip_dead;               // a tile's rows past its group's end: no A load, no wgmma (see below)
+  int math_expand;             // kMx: the math warpgroups share the expansion, two stages ahead
 };
 
 // The unit's m tile: its group, first row and the group's row end.
@@ -244,12 +250,15 @@ __device__ void math(const Params& p, SharedStorage<0>& s, int first_unit, int u
 template <bool kSwiGLU, int kCluster, bool kStagger, bool kDeferred, bool kMx>
 __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true, kDeferred), kMx>& s,
                             int first_unit, int unit_stride, int total_units, int units_per_tile);
-template <class Storage>
-__device__ void expand_e2m1(Storage& s, int steps);
 
 // E2M1 magnitudes by index (quant.E2M1_VALUES)
 __device__ constexpr float kE2M1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 constexpr int kExpandThreads = 96;  // warps 1-3 of the producer warpgroup (kMx)
+constexpr int kSharedExpandThreads = kExpandThreads + kMathThreads;  // math_expand: and the math warpgroups
+template <class Storage>
+__device__ void expand_e2m1(Storage& s, int steps, int converters);
+template <int kConverters, class Storage>
+__device__ void expand_share(Storage& s, int stage, int tid);
 
 // kCluster: 1, or the CTA is one of a cluster of 2 or 4 CTAs on neighbouring blocks of one m tile
 // (units_per_tile a multiple of kCluster), each loading 1/kCluster of the A tile for all by multicast.
@@ -278,7 +287,8 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
       cutlass::arch::ClusterTransactionBarrier::init(&s.full[st], 1);
       // one arrive per math warp of every CTA whose loads write this stage
       cutlass::arch::ClusterBarrier::init(&s.empty[st], kCluster * kMathThreads / 32);
-      if constexpr (kMx) cutlass::arch::ClusterBarrier::init(&s.converted[st], kExpandThreads);
+      if constexpr (kMx)
+        cutlass::arch::ClusterBarrier::init(&s.converted[st], p.math_expand ? kSharedExpandThreads : kExpandThreads);
     }
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(&p.tma_a);
@@ -324,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<kMx ? 56 : 40>();
     if (kMx && threadIdx.x >= 32) {
       const int my_units = first_unit < total_units ? (total_units - 1 - first_unit) / unit_stride + 1 : 0;
-      expand_e2m1(s, my_units * KB);
+      expand_e2m1(s, my_units * KB, p.math_expand ? kSharedExpandThreads : kExpandThreads);
     } else if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
@@ -728,6 +738,27 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     stage_block(staging);
   };
 
+  // math_expand: this thread's share of each stage's expansion, `kAhead` steps before its use (the
+  // first kAhead before the stagger's wait: the warpgroup ahead needs the other's shares of them)
+  constexpr int kAhead = 2;
+  int x_step = 0, x_stage = 0;
+  uint32_t x_phase = 0;
+  auto expand_next = [&]() {
+    cutlass::arch::ClusterTransactionBarrier::wait(&s.full[x_stage], x_phase);
+    expand_share<kSharedExpandThreads>(s, x_stage, kExpandThreads + ct);
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
+    cutlass::arch::ClusterBarrier::arrive(&s.converted[x_stage]);
+    if (++x_stage == kStages) {
+      x_stage = 0;
+      x_phase ^= 1;
+    }
+    ++x_step;
+  };
+  if constexpr (kMx) {
+    if (p.math_expand)
+      while (x_step < min(kAhead, steps)) expand_next();
+  }
+
   if (kStagger && wg == 1 && steps > 0) asm volatile("bar.sync 3, 256;" ::: "memory");
 
 #pragma unroll 1
@@ -757,6 +788,9 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
     // the in-place SwiGLU epilogue: the branch makes it spill (72 bytes against 4).
     issue_k_block(mma, tCrA, tCrB, scratch, s.ready(stage), phase, stage,
                   (kDeferred || !kSwiGLU) && p.skip_dead && tile.m0 + wg * 64 >= tile.m_end);
+    if constexpr (kMx) {  // under this step's wgmmas: the share of step + kAhead
+      if (p.math_expand && x_step < steps) expand_next();
+    }
     if constexpr (kDeferred) {
       if (block_done) {
         if (half == 0) stage_up_block(done, done_col);
@@ -796,45 +830,53 @@ __device__ __forceinline__ uint32_t expand4(uint32_t codes, uint32_t lo, uint32_
   return magnitude | sign;
 }
 
-// kMx, warps 1-3 of the producer warpgroup: for each stage this CTA consumes, in the producer's
-// order, the packed B rows expanded into the stage's e4m3 tile. A task is one row's 1x32 block j:
-// 16 packed bytes (a warp reads 512 contiguous bytes) -> 32 e4m3 bytes, 16-byte chunks 2j and
-// 2j + 1 of the row, each at chunk ^ (row % 8) as the 128-byte swizzle places it (a quarter
-// warp's 8 stores fall into 8 distinct chunks). The math
-// warpgroups' release of a stage follows this expansion (they wait for it), so the producer
-// refills the packed rows only once they are read.
-template <class Storage>
-__device__ void expand_e2m1(Storage& s, int steps) {
-  constexpr int kStages = Storage::kStages;
-  // Thread t takes tasks t + 96 i: the same 1x32 block j of rows r0 + 24 i, and as 24 is a multiple
-  // of 8, the same swizzled chunks in every one of them; 512 tasks: 6 for t < 32, else 5.
-  static_assert(kExpandThreads % 32 == 0 && (kExpandThreads / 4) % 8 == 0, "fixed chunks per thread");
-  constexpr int kRowStep = kExpandThreads / 4;
-  const int t = threadIdx.x - 32, j = t & 3, r0 = t >> 2;
-  const int tasks = (kBlockN * 4 - t + kExpandThreads - 1) / kExpandThreads;
-  const int in_offset = r0 * (kBlockK / 2) + 16 * j;
+// kMx: one stage's packed B rows expanded into its e4m3 tile, the share of converter `tid` of
+// kConverters. A task is one row's 1x32 block j: 16 packed bytes (a warp reads 512 contiguous bytes)
+// -> 32 e4m3 bytes, 16-byte chunks 2j and 2j + 1 of the row, each at chunk ^ (row % 8) as the
+// 128-byte swizzle places it (a quarter warp's 8 stores fall into 8 distinct chunks). Converter t
+// takes tasks t + kConverters i: the same block j of rows r0 + kConverters / 4 i, and as that step
+// is a multiple of 8, the same swizzled chunks in every one of them (512 tasks: 96 converters take
+// 5 or 6, 352 take 1 or 2).
+template <int kConverters, class Storage>
+__device__ __forceinline__ void expand_share(Storage& s, int stage, int tid) {
+  static_assert(kConverters % 32 == 0 && (kConverters / 4) % 8 == 0, "fixed chunks per converter");
+  constexpr int kRowStep = kConverters / 4;
+  const int j = tid & 3, r0 = tid >> 2;
+  const int tasks = (kBlockN * 4 - tid + kConverters - 1) / kConverters;
+  const uint8_t* packed = s.packed.data() + stage * kBlockN * kBlockK / 2 + r0 * (kBlockK / 2) + 16 * j;
+  const uint8_t* shifts = s.shifts.data() + stage * kBlockN * 4 + tid;  // row * 4 + j
+  uint8_t* b = reinterpret_cast<uint8_t*>(s.b.data() + stage * kBlockN * kBlockK);
   const int out_first = r0 * kBlockK + (((2 * j) ^ (r0 & 7)) << 4);
   const int out_second = r0 * kBlockK + (((2 * j + 1) ^ (r0 & 7)) << 4);
+#pragma unroll 2
+  for (int i = 0; i < tasks; ++i) {
+    const uint4 q = *reinterpret_cast<const uint4*>(packed + i * kRowStep * (kBlockK / 2));
+    const int shift = shifts[i * kConverters];
+    const uint32_t lo = s.lut[2 * shift], hi = s.lut[2 * shift + 1];
+    const uint4 first = make_uint4(expand4(q.x, lo, hi), expand4(q.x >> 16, lo, hi), expand4(q.y, lo, hi),
+                                   expand4(q.y >> 16, lo, hi));
+    const uint4 second = make_uint4(expand4(q.z, lo, hi), expand4(q.z >> 16, lo, hi), expand4(q.w, lo, hi),
+                                    expand4(q.w >> 16, lo, hi));
+    *reinterpret_cast<uint4*>(b + out_first + i * kRowStep * kBlockK) = first;
+    *reinterpret_cast<uint4*>(b + out_second + i * kRowStep * kBlockK) = second;
+  }
+}
+
+// kMx, warps 1-3 of the producer warpgroup: for each stage this CTA consumes, in the producer's
+// order, their share of its expansion (all of it, or with math_expand 96 of 352 converters'). The
+// math warpgroups' release of a stage follows its expansion (they wait for it), so the producer
+// refills the packed rows only once they are read.
+template <class Storage>
+__device__ void expand_e2m1(Storage& s, int steps, int converters) {
+  constexpr int kStages = Storage::kStages;
+  const int t = threadIdx.x - 32;
   int stage = 0;
   uint32_t phase = 0;
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
-    const uint8_t* packed = s.packed.data() + stage * kBlockN * kBlockK / 2 + in_offset;
-    const uint8_t* shifts = s.shifts.data() + stage * kBlockN * 4 + t;  // row * 4 + j
-    uint8_t* b = reinterpret_cast<uint8_t*>(s.b.data() + stage * kBlockN * kBlockK);
-#pragma unroll 2
-    for (int i = 0; i < tasks; ++i) {
-      const uint4 q = *reinterpret_cast<const uint4*>(packed + i * kRowStep * (kBlockK / 2));
-      const int shift = shifts[i * kExpandThreads];
-      const uint32_t lo = s.lut[2 * shift], hi = s.lut[2 * shift + 1];
-      const uint4 first = make_uint4(expand4(q.x, lo, hi), expand4(q.x >> 16, lo, hi), expand4(q.y, lo, hi),
-                                     expand4(q.y >> 16, lo, hi));
-      const uint4 second = make_uint4(expand4(q.z, lo, hi), expand4(q.z >> 16, lo, hi), expand4(q.w, lo, hi),
-                                      expand4(q.w >> 16, lo, hi));
-      *reinterpret_cast<uint4*>(b + out_first + i * kRowStep * kBlockK) = first;
-      *reinterpret_cast<uint4*>(b + out_second + i * kRowStep * kBlockK) = second;
-    }
+    if (converters == kExpandThreads) expand_share<kExpandThreads>(s, stage, t);
+    else expand_share<kSharedExpandThreads>(s, stage, t);
     cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
     cutlass::arch::ClusterBarrier::arrive(&s.converted[stage]);
     if (++stage == kStages) {

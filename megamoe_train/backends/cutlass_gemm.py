@@ -460,7 +460,9 @@ def fp8_expert_gemm_mx(a, a_scales, b, b_shifts, b_scales, group_ends, out, vari
     [G, N/128, K/128, 128, 4] and b_scales fp32 [G, N/128, K/128] (quant.mx_weight_shifts of the
     weights' ue8m0 scales): out equals fp8_expert_gemm's on quant.fold_mx_weight's e4m3 weights,
     bit for bit. a e4m3 [P, K] + fp32 [P, K/128] (quant.fold_mx_act's operand); out bf16 [P, N].
-    variant as fp8_expert_gemm's, on the staged schedule only (0, 1, 4, 5, + 16). Returns out."""
+    variant as fp8_expert_gemm's, on the staged schedule only (0, 1, 4, 5, + 16), and + 32: the math
+    warpgroups share the expansion with the producer's converter warps, each expanding its part of
+    the stage two ahead under its own wgmmas (same bits). Returns out."""
     fn = "fp8_expert_gemm_mx"
     n_out = b.shape[1] if b.dim() == 3 else 0
     P, K, G, N, dev = _fp8_expert_operands(fn, a, a_scales, b, b_scales, group_ends, out, n_out, packed=True)
