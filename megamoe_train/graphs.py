@@ -12,8 +12,9 @@ checks the ranks' status words on the device (protocol.py, "CUDA graphs" in docs
 
 What is captured, per layer: the whole call, forward and backward. Inputs are copied into
 static tensors before a replay, the output is copied out; parameter gradients are the graph's
-static tensors. Recipes that quantize the expert weights (fp8) get a third graph, the weight
-preparation, into a static copy that the forward and backward graphs read: it is replayed
+static tensors. Recipes that quantize the expert weights (fp8, mxfp8_mxfp4) get a third graph, the
+weight preparation, into a static copy that the forward and backward graphs read, with every
+operand the executor derives from it (the MX recipe's folded copies): it is replayed
 before a forward replay only when the weights changed since the last one (weights.weight_state:
 an optimizer step, or clear_weight_cache() after writes through `.data`, the same rule as the
 eager cache). With gradient accumulation the weights are quantized once per optimizer step, not
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from .autograd import mega_moe
-from .backends import executor_choice
+from .backends import executor_choice, executor_named
 from .main_grad import wants_overwrite
 from .symm_buffer import SymmBuffer
 from .weights import quantize_expert_weights, weight_state
@@ -94,6 +95,7 @@ class GraphedMegaMoE:
                 f"GraphedMegaMoE: CUDA graphs need the GPU executor; backend {backend!r} runs {executor!r} for this "
                 f"buffer (recipe {buffer.config.recipe!r}{': the GPU executor cannot, ' + reason if reason else ''})"
             )
+        self.executor = executor_named(executor)
         self.fuse = fuse_wgrad_accumulation
         self.buffer = buffer
         self.params = [p for p in (w1, w2, shared_w1, shared_w2) if p is not None]
@@ -147,7 +149,14 @@ class GraphedMegaMoE:
         return self.buffer.config.precision.weight_format != "native"
 
     def _prepare(self):
-        return quantize_expert_weights(self.leaves[0], self.leaves[1], self.buffer.config)
+        """The quantized weights and every operand the executor derives from them, frozen (read
+        only from then on). Made here, they are remade by each replay of the weight-preparation
+        graph; made by their first reader, they would be made inside the first pair captured and
+        remade by its replays only, so after a weight update the other pair would read stale ones."""
+        weights = quantize_expert_weights(self.leaves[0], self.leaves[1], self.buffer.config)
+        self.executor.prepare_weights(self.buffer.config, weights)
+        weights.freeze_operands()
+        return weights
 
     def _main_grads(self) -> tuple:
         """Where the expert wgrads of a replay go (fused accumulation): the storages captured."""

@@ -129,6 +129,22 @@ class ExpertWeights:
     def quantized(self) -> bool:
         return self.w1_scales is not None
 
+    def freeze_operands(self) -> None:
+        """From now on the derived operands below (mma_operands, mma_dgrad_operands,
+        mx_gemm_operands, mx_dgrad_gemm_operands, compute_copies) are only read: one not made yet
+        raises instead of being made. For a graphed layer's prepared weights, whose derived
+        operands its weight-preparation graph makes (the executor's prepare_weights): one made
+        later, inside a captured forward or backward, would be remade by that graph's replays
+        only, and the other captured pair would read it stale after a weight update."""
+        self.__dict__["_operands_frozen"] = True
+
+    def _may_derive(self, operand: str) -> None:
+        if self.__dict__.get("_operands_frozen"):
+            raise RuntimeError(
+                f"ExpertWeights.{operand}: not made before these weights were frozen (freeze_operands); the "
+                f"executor's prepare_weights must make every operand derived from the weights that it reads"
+            )
+
     def mma_operands(
         self, *, use_kernel: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -141,6 +157,7 @@ class ExpertWeights:
             return self.w1, self.w1_scales, self.w2, self.w2_scales
         cached = self.__dict__.get("_mma_operands")
         if cached is None:
+            self._may_derive("mma_operands")
             cached = self._folded(_prep_kernels(self.w1.device, use_kernel))
             self.__dict__["_mma_operands"] = cached
         return cached
@@ -156,6 +173,7 @@ class ExpertWeights:
             return self.w1_t, self.w1_t_scales, self.w2_t, self.w2_t_scales
         cached = self.__dict__.get("_mma_dgrad_operands")
         if cached is None:
+            self._may_derive("mma_dgrad_operands")
             kernels = _prep_kernels(self.w1_t.device, use_kernel)
             cached = self._folded(kernels, self.w1_t, self.w1_t_scales, self.w2_t, self.w2_t_scales)
             self.__dict__["_mma_dgrad_operands"] = cached
@@ -175,6 +193,7 @@ class ExpertWeights:
         scales, made once per weight version."""
         cached = self.__dict__.get("_mx_gemm_operands")
         if cached is None:
+            self._may_derive("mx_gemm_operands")
             cached = (self.w1, *mx_weight_shifts(self.w1_scales), self.w2, *mx_weight_shifts(self.w2_scales))
             self.__dict__["_mx_gemm_operands"] = cached
         return cached
@@ -184,6 +203,7 @@ class ExpertWeights:
         packed, its shifts, its block scales), made once per weight version."""
         cached = self.__dict__.get("_mx_dgrad_gemm_operands")
         if cached is None:
+            self._may_derive("mx_dgrad_gemm_operands")
             w1_t, w2_t = self._dgrad_weight("w1_t"), self._dgrad_weight("w2_t")
             cached = (w1_t, *mx_weight_shifts(self.w1_t_scales), w2_t, *mx_weight_shifts(self.w2_t_scales))
             self.__dict__["_mx_dgrad_gemm_operands"] = cached
@@ -206,6 +226,7 @@ class ExpertWeights:
             return self.w1, self.w2  # already master order in dtype (often the parameters themselves)
         cached = self.__dict__.get("_compute_copies")
         if cached is None or cached[0] != dtype:
+            self._may_derive(f"compute_copies({dtype})")
             recipe = get_recipe(self.recipe)
             # the dequantize kernel reads e4m3 in 2-D fp32 blocks (fp8's weights)
             kernels = _prep_kernels(self.w1.device, use_kernel) if _kernel_format(recipe) == "e4m3" else None

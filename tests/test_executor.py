@@ -1,6 +1,7 @@
 """Both executors against the contract of backends/executor.py: every member it declares, with
-the same parameters in the same order, and the contract declares exactly what protocol.py asks of
-an executor (read from its source), so neither can drift from the other."""
+the same parameters in the same order, and the contract declares exactly what protocol.py and
+graphs.py (a graphed layer's weight preparation) ask of an executor (read from their source), so
+neither can drift from the other."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import inspect
 
 import pytest
 
-from megamoe_train import protocol
+from megamoe_train import graphs, protocol
 from megamoe_train.backends.executor import Executor
 from megamoe_train.backends.reference import ReferenceExecutor
 
@@ -30,14 +31,17 @@ def _contract() -> tuple[set[str], set[str]]:
 
 
 def _asked_by_protocol() -> set[str]:
-    """Every `executor.NAME` that protocol.py reads."""
-    path = inspect.getsourcefile(protocol)
-    tree = ast.parse(open(path).read(), path)
-    return {
-        n.attr
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "executor"
-    }
+    """Every `executor.NAME` that protocol.py reads, and every `self.executor.NAME` of graphs.py."""
+    asked = set()
+    for module in (protocol, graphs):
+        path = inspect.getsourcefile(module)
+        for n in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(n, ast.Attribute) and (
+                (isinstance(n.value, ast.Name) and n.value.id == "executor")
+                or (isinstance(n.value, ast.Attribute) and n.value.attr == "executor")
+            ):
+                asked.add(n.attr)
+    return asked
 
 
 def test_the_contract_is_what_the_protocol_asks():

@@ -205,6 +205,68 @@ def test_graphed_fused_wgrad_accumulation_matches_eager(rank_pools, world, recip
     rank_pools(world, "nccl").run(graphed_fused_accumulation, recipe)
 
 
+def graphed_mx_pair_captured_second(rank, world, mx_gemm):
+    """The MX recipe's weights as its GEMMs read them (folded to e4m3 by default, or the expanded
+    GEMM's shifts and scales) are derived from the prepared weights: the weight-preparation graph
+    makes them, so both main_grad pairs read the current ones. The overwrite=False pair captured
+    first, a weight update, then the overwrite=True pair (a step's first micro-batch): its output
+    and main_grad are the eager call's on the new weights, bit for bit, replay after replay (when
+    the first pair's forward derived them, the second pair read the last step's weights)."""
+    from megamoe_train.backends import triton_backend
+
+    previous, triton_backend._MX_GEMM = triton_backend._MX_GEMM, mx_gemm
+    try:
+        cfg = MegaMoEConfig(**dict(TRITON_BASE, recipe="mxfp8_mxfp4"))
+        E_l = cfg.num_experts // world
+        mine = slice(rank * E_l, (rank + 1) * E_l)
+        buf = get_symm_buffer(None, cfg, timeout_s=20)
+        dev = buf.device
+        first = make_problem(cfg, world, [200] * world, seed=7)
+        w1 = first["w1"][mine].to(dev, torch.bfloat16).requires_grad_()
+        w2 = first["w2"][mine].to(dev, torch.bfloat16).requires_grad_()
+        for p in (w1, w2):
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)
+        eager_acc = [torch.zeros(p.shape, dtype=torch.float32, device=dev) for p in (w1, w2)]
+
+        def eager_call(x, idx, tw, gy, overwrite):
+            a1, a2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+            a1.main_grad, a2.main_grad = eager_acc
+            a1.overwrite_main_grad = a2.overwrite_main_grad = overwrite
+            y = mega_moe(x, idx, tw, a1, a2, buf, backend="triton", fuse_wgrad_accumulation=True)
+            y.backward(gy)
+            return y.detach()
+
+        graphed = GraphedMegaMoE(buf, w1, w2, backend="triton", fuse_wgrad_accumulation=True)
+        # (overwrite, update the weights first): the False pair captured first; the True pair
+        # captured after an update, then replayed after another, then the False pair again
+        for step, (overwrite, update) in enumerate([(False, False), (True, True), (True, True), (False, True)]):
+            if update:  # an optimizer step: a new weight version for the next replay
+                with torch.no_grad():
+                    for p in (w1, w2):
+                        p.add_(torch.randn_like(p) * 0.05 * p.float().std().to(p.dtype))
+            prob = make_problem(cfg, world, [200] * world, seed=70 + step)
+            x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
+            tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
+            want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, overwrite)
+            for p in (w1, w2):
+                p.grad, p.grad_added_to_main_grad, p.overwrite_main_grad = None, False, overwrite
+            got = graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_())
+            got.backward(gy)
+            torch.cuda.synchronize()
+            assert torch.equal(got.detach(), want), (step, rel_err(got.detach().float().cpu(), want.float().cpu()))
+            for name, p, m in zip(("w1", "w2"), (w1, w2), eager_acc):
+                assert torch.equal(p.main_grad, m), (step, name, rel_err(p.main_grad.cpu(), m.cpu()))
+        assert sorted(graphed.pairs) == [False, True] and graphed.replays == 4 and graphed.weight_preparations == 4
+    finally:
+        triton_backend._MX_GEMM = previous
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("mx_gemm", ["folded", "expanded"])
+def test_graphed_mx_pair_captured_second_reads_updated_weights(rank_pools, world, mx_gemm):
+    rank_pools(world, "nccl").run(graphed_mx_pair_captured_second, mx_gemm)
+
+
 def graphs_refuse_the_reference(rank, world):
     """A call that resolves to the reference executor cannot be captured: GraphedMegaMoE says so
     when built (naming the executor), before any call."""

@@ -4,7 +4,9 @@ tokens, which eager calls recover from) must leave no half-made static inputs be
 made them before its warm-up calls and recorded the signature (and the prep graph) only at the end:
 every later call then took the second pair's path (a RuntimeError copying into statics of the
 failed call's shape, or no prep graph and no signature check). And `serves`: whether a graphed
-call still stands for the layer's arguments (same buffer, fusion, weights and their storage)."""
+call still stands for the layer's arguments (same buffer, fusion, weights and their storage).
+And where the operands derived from the quantized weights (the MX recipe's folded copies) are
+made: in the weight-preparation graph, never inside a captured forward or backward."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import pytest
 import torch
 
 from megamoe_train import graphs
+from megamoe_train.backends import triton_backend
+from megamoe_train.config import MegaMoEConfig
+from megamoe_train.weights import ExpertWeights, clear_weight_cache, transform_weights
 
 H, K, MAX_TOKENS = 8, 2, 8
 
@@ -128,3 +133,120 @@ def test_recv_stats_checked_on_replay(fake_cuda):
     for bad in (torch.zeros(2), torch.zeros(3, dtype=torch.int64)):
         with pytest.raises(ValueError, match="recv_stats"):
             graphed(*inputs(4, 2), recv_stats=bad)
+
+
+# ----------------------------------------------------------------------------- derived operands
+
+DERIVED = ("_mma_operands", "_mma_dgrad_operands", "_mx_gemm_operands", "_mx_dgrad_gemm_operands", "_compute_copies")
+MX_E, MX_H, MX_I = 2, 128, 128  # the smallest sizes the MX operands take (multiples of 128)
+
+
+def mx_config(recipe="mxfp8_mxfp4"):
+    return MegaMoEConfig(
+        num_experts=MX_E, hidden=MX_H, intermediate=MX_I, topk=K, num_max_tokens_per_rank=MAX_TOKENS, recipe=recipe
+    )
+
+
+def derived(weights: ExpertWeights) -> dict:
+    return {k: weights.__dict__[k] for k in DERIVED if k in weights.__dict__}
+
+
+@pytest.mark.parametrize(
+    "recipe, expanded, made",
+    [
+        ("mxfp8_mxfp4", False, {"_mma_operands", "_mma_dgrad_operands"}),  # the folded e4m3 copies
+        ("mxfp8_mxfp4", True, {"_mx_gemm_operands", "_mx_dgrad_gemm_operands"}),  # shifts and scales only
+        ("fp8", False, set()),  # its GEMMs read what it stores
+        ("fp8_e4m3_wgrad", False, set()),
+        ("bf16", False, set()),  # compute_copies: the stored tensors themselves
+    ],
+)
+def test_prepare_weights_makes_what_the_gpu_paths_read(monkeypatch, recipe, expanded, made):
+    """The GPU executor's prepare_weights makes exactly the derived operands its forward and
+    backward read on this path (MEGAMOE_MX_GEMM folded or expanded), nothing more (the folded
+    copies are a byte a weight), and a second call reuses them."""
+    monkeypatch.setattr(triton_backend, "_mx_expert_gemm", lambda device: expanded)
+    cfg = mx_config(recipe)
+    g = torch.Generator().manual_seed(7)
+    w1 = torch.randn(MX_E, 2 * MX_I, MX_H, generator=g, dtype=torch.bfloat16) * 0.05
+    w2 = torch.randn(MX_E, MX_H, MX_I, generator=g, dtype=torch.bfloat16) * 0.05
+    executor = triton_backend.TritonExecutor()
+    weights = transform_weights(w1, w2, cfg)
+    try:
+        executor.prepare_weights(cfg, weights)
+        first = derived(weights)
+        assert set(first) == made
+        weights.freeze_operands()  # a remake now raises
+        executor.prepare_weights(cfg, weights)
+        assert derived(weights).keys() == first.keys()
+        assert all(derived(weights)[k] is v for k, v in first.items())
+        if made:  # the forward and the backward read those very operands
+            reads = (triton_backend._forward_weight_operands, triton_backend._backward_weight_operands)
+            assert {id(read(cfg, weights, w1.device)) for read in reads} == {id(v) for v in first.values()}
+    finally:
+        clear_weight_cache()
+
+
+def reading_mega_moe(x, topk_idx, topk_weights, w1, w2, buffer, *, prepared_weights=None, **kwargs):
+    """fake_mega_moe that reads the prepared weights' operands as the GPU executor's forward and
+    backward do."""
+    if prepared_weights is not None:
+        triton_backend._forward_weight_operands(buffer.config, prepared_weights, x.device)
+        triton_backend._backward_weight_operands(buffer.config, prepared_weights, x.device)
+    return x * topk_weights.sum(1, keepdim=True) * w1.sum() + w2.sum()
+
+
+def test_derived_operands_made_by_the_prep_graph_only(fake_cuda, monkeypatch):
+    """An MX layer with fused wgrad accumulation: its pairs (overwrite=False captured first, then,
+    after a weight update, overwrite=True) read the folded weights that the weight-preparation
+    graph makes. Made by their first reader instead, they were made inside the first pair's
+    forward capture: replays of the prep graph did not remake them, so after a weight update the
+    overwrite=True pair (a step's first micro-batch) read the last step's."""
+    capturing = []  # the graph being captured, innermost last
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        capturing.append(g)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    made_in = []  # (weights, graph being captured) per fold of the MX weights
+    fold = ExpertWeights._folded
+
+    def recording_fold(self, *args, **kwargs):
+        made_in.append((self, capturing[-1] if capturing else None))
+        return fold(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(graphs, "mega_moe", reading_mega_moe)
+    monkeypatch.setattr(ExpertWeights, "_folded", recording_fold)
+    monkeypatch.setattr(triton_backend, "_mx_expert_gemm", lambda device: False)  # the folded default
+
+    cfg = mx_config()
+    buffer = SimpleNamespace(device=torch.device("cuda"), num_local_experts=MX_E, config=cfg)
+    g = torch.Generator().manual_seed(8)
+    w1 = (torch.randn(MX_E, 2 * MX_I, MX_H, generator=g) * 0.05).requires_grad_()
+    w2 = (torch.randn(MX_E, MX_H, MX_I, generator=g) * 0.05).requires_grad_()
+    for w in (w1, w2):
+        w.main_grad = torch.zeros(w.shape)
+    graphed = graphs.GraphedMegaMoE(buffer, w1, w2, backend="triton", fuse_wgrad_accumulation=True)
+
+    def call(overwrite, seed):
+        w1.overwrite_main_grad = w2.overwrite_main_grad = overwrite
+        x = torch.randn(4, MX_H, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        tw = torch.rand(4, K, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        graphed(x, torch.zeros(4, K, dtype=torch.int64), tw).backward(torch.ones(4, MX_H))
+
+    call(False, 0)  # captures the overwrite=False pair and the prep graph
+    with torch.no_grad():  # an optimizer step
+        w1.add_(0.01)
+        w2.add_(0.01)
+    call(True, 1)  # captures the overwrite=True pair
+    call(False, 2)
+    assert sorted(graphed.pairs) == [False, True] and graphed.weight_preparations == 2
+    prepared = [graph for weights, graph in made_in if weights is graphed._prepared]
+    assert prepared == [graphed.prep_graph, graphed.prep_graph]  # w1 and w2, then w1_t and w2_t
+    assert set(derived(graphed._prepared)) == {"_mma_operands", "_mma_dgrad_operands"}

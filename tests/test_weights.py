@@ -232,6 +232,33 @@ def test_mxfp4_mma_operands_are_the_folded_weights():
     assert all(a is b for a, b in zip(fp8.mma_operands(), (fp8.w1, fp8.w1_scales, fp8.w2, fp8.w2_scales)))
 
 
+def test_frozen_weights_read_their_derived_operands_and_make_none():
+    """freeze_operands (a graphed layer's prepared weights): an operand made before is read as
+    made, one not made raises instead of being made (inside a captured forward or backward it
+    would be remade by that graph's replays only); what is stored, not derived, is still read."""
+    w1, w2 = master_weights(seed=5)
+    ew = transform_weights(w1, w2, config("mxfp8_mxfp4"))
+    folded = ew.mma_operands()
+    ew.freeze_operands()
+    assert ew.mma_operands() is folded
+    unmade = {
+        "mma_dgrad_operands": ew.mma_dgrad_operands,
+        "mx_gemm_operands": ew.mx_gemm_operands,
+        "mx_dgrad_gemm_operands": ew.mx_dgrad_gemm_operands,
+        "compute_copies": lambda: ew.compute_copies(torch.bfloat16),
+    }
+    for name, make in unmade.items():
+        with pytest.raises(RuntimeError, match=rf"ExpertWeights\.{name}.*prepare_weights must make"):
+            make()
+    fp8 = transform_weights(w1, w2, config("fp8"))
+    fp8.freeze_operands()
+    assert all(a is b for a, b in zip(fp8.mma_operands(), (fp8.w1, fp8.w1_scales, fp8.w2, fp8.w2_scales)))
+    assert all(a is b for a, b in zip(fp8.mma_dgrad_operands(), (fp8.w1_t, fp8.w1_t_scales, fp8.w2_t, fp8.w2_t_scales)))
+    native = transform_weights(w1.to(torch.bfloat16), w2.to(torch.bfloat16), config("bf16"))
+    native.freeze_operands()
+    assert all(a is b for a, b in zip(native.compute_copies(torch.bfloat16), (native.w1, native.w2)))
+
+
 def test_result_is_detached():
     w1, w2 = master_weights(requires_grad=True)
     for recipe in RECIPES:

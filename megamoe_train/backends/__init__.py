@@ -96,4 +96,9 @@ def resolve_backend(name: str, buffer) -> Executor:
                 MegaMoESlowPathWarning,
                 stacklevel=3,
             )
-    return _triton_executor() if executor == "triton" else BACKENDS[executor]
+    return executor_named(executor)
+
+
+def executor_named(name: str) -> Executor:
+    """The executor of that name (one of NAMES), as executor_choice names it."""
+    return _triton_executor() if name == "triton" else BACKENDS[name]

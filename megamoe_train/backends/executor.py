@@ -123,6 +123,15 @@ class Executor(Protocol):
 
     # ----------------------------------------------------------------- 5. expert MLP (local)
 
+    def prepare_weights(self, cfg: MegaMoEConfig, weights: ExpertWeights) -> None:
+        """Makes every operand that experts_forward and experts_backward derive from the weights
+        and cache on them (ExpertWeights.mma_operands and the like), so that later calls only read
+        them. Called by a graphed layer (graphs.py) in its weight-preparation graph, replayed once
+        per weight update: an operand first made inside one captured forward or backward would be
+        remade by that graph's replays only. Makes nothing a call of this executor does not read;
+        harmless eagerly (a call would make the same on first use)."""
+        ...
+
     def experts_forward(
         self, cfg: MegaMoEConfig, weights: ExpertWeights, plan: Plan, pool: PoolInputs
     ) -> tuple[torch.Tensor, ExpertState]:

@@ -202,6 +202,9 @@ class ReferenceExecutor:
 
     # --------------------------------------------------------------------- expert MLP
 
+    def prepare_weights(self, cfg, weights: ExpertWeights) -> None:
+        """Nothing to make: the reference dequantizes the stored weights in each call."""
+
     def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: ReferencePoolInputs):
         """L1 -> clamp, SwiGLU, topk weight -> stored L2 input -> L2; rows in config.dtype."""
         recipe = cfg.precision

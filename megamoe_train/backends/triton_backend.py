@@ -176,18 +176,40 @@ def _mx_expert_gemm(device: torch.device) -> bool:
     return _MX_GEMM == "expanded" and cutlass_gemm.has_expert_gemm_mx(device)
 
 
+def _mx_expanded(cfg, device: torch.device) -> bool:
+    """Whether this call's GEMMs read the MX recipe's E2M1 weights as stored (our expert GEMM)."""
+    return cfg.precision.mx and _mx_expert_gemm(device)
+
+
+# The weights as the expert GEMMs read them, by path: the one place that picks which of
+# ExpertWeights' derived operands a call reads (its paths and prepare_weights ask here).
+
+
+def _forward_weight_operands(cfg, weights: ExpertWeights, device: torch.device) -> tuple:
+    """experts_forward's: mx_gemm_operands (MX, expanded), else mma_operands (the stored weights,
+    or the MX weights folded to e4m3)."""
+    return weights.mx_gemm_operands() if _mx_expanded(cfg, device) else weights.mma_operands()
+
+
+def _backward_weight_operands(cfg, weights: ExpertWeights, device: torch.device) -> tuple:
+    """experts_backward's dgrads': mx_dgrad_gemm_operands (MX, expanded), mma_dgrad_operands (a
+    quantized dgrad: fp8's stored, MX's folded), else compute_copies (bf16: the parameters)."""
+    if not cfg.precision.quantized_dgrad:
+        return weights.compute_copies(cfg.dtype)
+    return weights.mx_dgrad_gemm_operands() if _mx_expanded(cfg, device) else weights.mma_dgrad_operands()
+
+
 def _dgrad_gemm(cfg, weights: ExpertWeights, fc: int, a, a_scales, plan: Plan, out, align: int):
     """The quantized dgrad of fc `fc` (2: grad_act = dY_q W2, out [P, I]; 1: grad_x = dH_q W1, out
     [P, H]): out[rows of e] = (a * a_scales)[rows] @ W_t[e]^T with W_t = weights.w2_t [E, I, H] or
     w1_t [E, H, 2I], a e4m3 with fp32 1x128 scales. fp8: the fp8 grouped GEMM on the stored e4m3
     copies. MX: our expert GEMM on the E2M1 copies as stored (fp8_expert_gemm_mx, N = I or H and
     K = H or 2I), or the fp8 grouped GEMM on them folded to e4m3 (ExpertWeights.mma_dgrad_operands)."""
-    if cfg.precision.mx and _mx_expert_gemm(a.device):
-        operands = weights.mx_dgrad_gemm_operands()  # w1_t's three, then w2_t's
+    operands = _backward_weight_operands(cfg, weights, a.device)
+    if _mx_expanded(cfg, a.device):  # w1_t's three, then w2_t's
         b = operands[:3] if fc == 1 else operands[3:]
         return cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, plan.expert_ends, out)
-    operands = weights.mma_dgrad_operands()  # w1_t, its scales, w2_t, its scales
-    b = operands[:2] if fc == 1 else operands[2:]
+    b = operands[:2] if fc == 1 else operands[2:]  # w1_t, its scales, w2_t, its scales
     return _fp8_grouped_gemm(a, a_scales, *b, plan, out, align)
 
 
@@ -424,6 +446,14 @@ class TritonExecutor:
 
     # --------------------------------------------------------------------- expert MLP
 
+    def prepare_weights(self, cfg, weights: ExpertWeights) -> None:
+        """Makes what experts_forward and experts_backward derive from the weights, by the same
+        choice of path: the MX recipe's folded copies (mma_operands, mma_dgrad_operands; 1 byte a
+        weight each) or the expanded GEMM's shifts and scales; fp8 and bf16 read what they store."""
+        device = weights.w1.device
+        _forward_weight_operands(cfg, weights, device)
+        _backward_weight_operands(cfg, weights, device)
+
     def experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: TritonPoolInputs):
         recipe, align = cfg.precision, self.row_align(cfg)
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
@@ -431,9 +461,9 @@ class TritonExecutor:
         act_scales = (
             torch.empty(P, recipe.mma_scale_cols(I), dtype=torch.float32, device=dev) if recipe.quantized else None
         )
-        if recipe.mx and _mx_expert_gemm(dev):
+        if _mx_expanded(cfg, dev):
             return self._mx_experts_forward(cfg, weights, plan, pool, act, act_scales)
-        w1, w1_scales, w2, w2_scales = weights.mma_operands()
+        w1, w1_scales, w2, w2_scales = _forward_weight_operands(cfg, weights, dev)
         if recipe.quantized and _fused_fp8_forward(cfg, weights, dev):
             h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
             cutlass_gemm.fp8_expert_gemm_swiglu(
@@ -470,7 +500,7 @@ class TritonExecutor:
     def _mx_experts_forward(self, cfg, weights: ExpertWeights, plan: Plan, pool: TritonPoolInputs, act, act_scales):
         """The MX recipe's expert MLP on the expert GEMM that reads E2M1 weights as stored."""
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
-        w1, w1_shifts, w1_scales, w2, w2_shifts, w2_scales = weights.mx_gemm_operands()
+        w1, w1_shifts, w1_scales, w2, w2_shifts, w2_scales = _forward_weight_operands(cfg, weights, dev)
         h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
         cutlass_gemm.fp8_expert_gemm_mx(pool.x, pool.x_scales, w1, w1_shifts, w1_scales, plan.expert_ends, h)
         clamp = cfg.activation_clamp
@@ -526,7 +556,7 @@ class TritonExecutor:
             grad_x_rows = torch.empty(P, H, dtype=cfg.dtype, device=dev)
             _dgrad_gemm(cfg, weights, 1, grad_h_q, grad_h_scales, plan, grad_x_rows, align)
         else:
-            w1, w2 = weights.compute_copies(cfg.dtype)  # bf16: the parameters themselves
+            w1, w2 = _backward_weight_operands(cfg, weights, dev)  # bf16: the parameters themselves
             grad_act = _bf16_grouped_gemm(grad_rows, w2, plan, transposed=True)
             K_.swiglu_backward(
                 state.pre_act,
