@@ -17,6 +17,12 @@ from megamoe_train.weights import clear_weight_cache
 pytestmark = pytest.mark.gpu
 
 
+def rank_inputs(problem, rank, dev):
+    """x, topk ids, topk weights and dY of this rank, as the layer takes them."""
+    x, idx = problem["x"][rank].to(dev, torch.bfloat16), problem["idx"][rank].to(dev)
+    return x, idx, problem["w"][rank].to(dev), problem["gy"][rank].to(dev, torch.bfloat16)
+
+
 def graphed_steps(rank, world, recipe):
     cfg = MegaMoEConfig(**dict(TRITON_BASE, recipe=recipe, num_shared_experts=1))
     E_l = cfg.num_experts // world
@@ -45,9 +51,7 @@ def graphed_steps(rank, world, recipe):
     )
     names = ["y", "x", "topk_weights", "w1", "w2", "shared_w1", "shared_w2"]
     for step in range(4):
-        prob = make_problem(cfg, world, [200] * world, seed=20 + step)
-        x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
-        tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
+        x, idx, tw, gy = rank_inputs(make_problem(cfg, world, [200] * world, seed=20 + step), rank, dev)
         want = run(eager, x, idx, tw, gy, stats_eager)
         got = run(graphed, x, idx, tw, gy, stats_graph)
         for name, a, b in zip(names, got, want):
@@ -58,9 +62,7 @@ def graphed_steps(rank, world, recipe):
                 p.add_(torch.randn_like(p) * 0.05 * p.float().std().to(p.dtype))
 
     # Gradient accumulation over two replays without zeroing: autograd copies the static grads.
-    prob = make_problem(cfg, world, [200] * world, seed=40)
-    x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
-    tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
+    x, idx, tw, gy = rank_inputs(make_problem(cfg, world, [200] * world, seed=40), rank, dev)
     once = run(graphed, x, idx, tw, gy, None)
     fresh = lambda t: t.clone().requires_grad_()  # the captured signature: inputs that require grad
     for p in params:
@@ -112,37 +114,45 @@ def test_graphed_layer_matches_eager_across_weight_updates(rank_pools, world, re
     rank_pools(world, "nccl").run(graphed_steps, recipe)
 
 
-def graphed_fused_accumulation(rank, world, recipe):
-    """Gradient-accumulation fusion through the graphs: the replayed backward adds w1's and w2's
-    wgrads into main_grad (the eager fused call's bits, micro-batch after micro-batch), the warm-up
-    and capture leave main_grad untouched, and the flag tells the hook to skip its own add."""
+def fused_layer(rank, world, recipe, seed):
+    """This rank's buffer, make_problem(seed)'s problem and the rank's experts as bf16 leaves (w1,
+    w2) for the gradient-accumulation fusion cases (their main_grad is the caller's)."""
     cfg = MegaMoEConfig(**dict(TRITON_BASE, recipe=recipe))
     E_l = cfg.num_experts // world
     mine = slice(rank * E_l, (rank + 1) * E_l)
     buf = get_symm_buffer(None, cfg, timeout_s=20)
+    problem = make_problem(cfg, world, [200] * world, seed=seed)
+    w1 = problem["w1"][mine].to(buf.device, torch.bfloat16).requires_grad_()
+    w2 = problem["w2"][mine].to(buf.device, torch.bfloat16).requires_grad_()
+    return cfg, buf, problem, w1, w2
+
+
+def eager_fused_call(buf, w1, w2, acc, x, idx, tw, gy, overwrite=False):
+    """The eager fused call on w1's and w2's values with `acc` as their main_grads: its output."""
+    a1, a2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+    a1.main_grad, a2.main_grad = acc
+    a1.overwrite_main_grad = a2.overwrite_main_grad = overwrite
+    y = mega_moe(x, idx, tw, a1, a2, buf, backend="triton", fuse_wgrad_accumulation=True)
+    y.backward(gy)
+    return y.detach()
+
+
+def graphed_fused_accumulation(rank, world, recipe):
+    """Gradient-accumulation fusion through the graphs: the replayed backward adds w1's and w2's
+    wgrads into main_grad (the eager fused call's bits, micro-batch after micro-batch), the warm-up
+    and capture leave main_grad untouched, and the flag tells the hook to skip its own add."""
+    cfg, buf, first, w1, w2 = fused_layer(rank, world, recipe, seed=5)
     dev = buf.device
-    first = make_problem(cfg, world, [200] * world, seed=5)
-    w1 = first["w1"][mine].to(dev, torch.bfloat16).requires_grad_()
-    w2 = first["w2"][mine].to(dev, torch.bfloat16).requires_grad_()
     for p in (w1, w2):
         p.main_grad = torch.randn(p.shape, dtype=torch.float32, device=dev)  # what earlier micro-batches left
     start = [p.main_grad.clone() for p in (w1, w2)]
     eager_acc = [m.clone() for m in start]
-
-    def eager_call(x, idx, tw, gy, acc, overwrite=False):
-        a1, a2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
-        a1.main_grad, a2.main_grad = acc
-        a1.overwrite_main_grad = a2.overwrite_main_grad = overwrite
-        y = mega_moe(x, idx, tw, a1, a2, buf, backend="triton", fuse_wgrad_accumulation=True)
-        y.backward(gy)
-        return y.detach()
-
     graphed = GraphedMegaMoE(buf, w1, w2, backend="triton", fuse_wgrad_accumulation=True)
     for step in range(3):  # micro-batches: both accumulate into their main_grad
-        prob = make_problem(cfg, world, [200] * world, seed=50 + step)
-        x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
-        tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
-        want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, eager_acc)
+        x, idx, tw, gy = rank_inputs(make_problem(cfg, world, [200] * world, seed=50 + step), rank, dev)
+        want = eager_fused_call(
+            buf, w1, w2, eager_acc, x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy
+        )
         for p in (w1, w2):
             p.grad, p.grad_added_to_main_grad = None, False
         got = graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_())
@@ -167,10 +177,10 @@ def graphed_fused_accumulation(rank, world, recipe):
                 p.main_grad.fill_(float("nan"))
                 m.fill_(float("nan"))
                 p.overwrite_main_grad = True
-        prob = make_problem(cfg, world, [200] * world, seed=60 + step)
-        x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
-        tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
-        want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, eager_acc, overwrite)
+        x, idx, tw, gy = rank_inputs(make_problem(cfg, world, [200] * world, seed=60 + step), rank, dev)
+        want = eager_fused_call(
+            buf, w1, w2, eager_acc, x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, overwrite
+        )
         for p in (w1, w2):
             p.grad, p.grad_added_to_main_grad = None, False
         got = graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_())
@@ -189,9 +199,8 @@ def graphed_fused_accumulation(rank, world, recipe):
     # A main_grad with new storage is not where the graph adds: that call runs eagerly, correctly.
     for p in (w1, w2):
         p.main_grad = p.main_grad.clone()
-    x, idx = first["x"][rank].to(dev, torch.bfloat16), first["idx"][rank].to(dev)
-    tw, gy = first["w"][rank].to(dev), first["gy"][rank].to(dev, torch.bfloat16)
-    want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, eager_acc)
+    x, idx, tw, gy = rank_inputs(first, rank, dev)
+    want = eager_fused_call(buf, w1, w2, eager_acc, x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy)
     graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_()).backward(gy)
     torch.cuda.synchronize()
     assert graphed.replays == 5
@@ -216,26 +225,11 @@ def graphed_mx_pair_captured_second(rank, world, mx_gemm):
 
     previous, triton_backend._MX_GEMM = triton_backend._MX_GEMM, mx_gemm
     try:
-        cfg = MegaMoEConfig(**dict(TRITON_BASE, recipe="mxfp8_mxfp4"))
-        E_l = cfg.num_experts // world
-        mine = slice(rank * E_l, (rank + 1) * E_l)
-        buf = get_symm_buffer(None, cfg, timeout_s=20)
+        cfg, buf, _, w1, w2 = fused_layer(rank, world, "mxfp8_mxfp4", seed=7)
         dev = buf.device
-        first = make_problem(cfg, world, [200] * world, seed=7)
-        w1 = first["w1"][mine].to(dev, torch.bfloat16).requires_grad_()
-        w2 = first["w2"][mine].to(dev, torch.bfloat16).requires_grad_()
         for p in (w1, w2):
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)
         eager_acc = [torch.zeros(p.shape, dtype=torch.float32, device=dev) for p in (w1, w2)]
-
-        def eager_call(x, idx, tw, gy, overwrite):
-            a1, a2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
-            a1.main_grad, a2.main_grad = eager_acc
-            a1.overwrite_main_grad = a2.overwrite_main_grad = overwrite
-            y = mega_moe(x, idx, tw, a1, a2, buf, backend="triton", fuse_wgrad_accumulation=True)
-            y.backward(gy)
-            return y.detach()
-
         graphed = GraphedMegaMoE(buf, w1, w2, backend="triton", fuse_wgrad_accumulation=True)
         # (overwrite, update the weights first): the False pair captured first; the True pair
         # captured after an update, then replayed after another, then the False pair again
@@ -244,10 +238,10 @@ def graphed_mx_pair_captured_second(rank, world, mx_gemm):
                 with torch.no_grad():
                     for p in (w1, w2):
                         p.add_(torch.randn_like(p) * 0.05 * p.float().std().to(p.dtype))
-            prob = make_problem(cfg, world, [200] * world, seed=70 + step)
-            x, idx = prob["x"][rank].to(dev, torch.bfloat16), prob["idx"][rank].to(dev)
-            tw, gy = prob["w"][rank].to(dev), prob["gy"][rank].to(dev, torch.bfloat16)
-            want = eager_call(x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, overwrite)
+            x, idx, tw, gy = rank_inputs(make_problem(cfg, world, [200] * world, seed=70 + step), rank, dev)
+            want = eager_fused_call(
+                buf, w1, w2, eager_acc, x.clone().requires_grad_(), idx, tw.clone().requires_grad_(), gy, overwrite
+            )
             for p in (w1, w2):
                 p.grad, p.grad_added_to_main_grad, p.overwrite_main_grad = None, False, overwrite
             got = graphed(x.clone().requires_grad_(), idx, tw.clone().requires_grad_())
