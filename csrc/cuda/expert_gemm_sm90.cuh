@@ -258,7 +258,7 @@ constexpr int kSharedExpandThreads = kExpandThreads + kMathThreads;  // math_exp
 template <class Storage>
 __device__ void expand_e2m1(Storage& s, int steps, int converters);
 template <int kConverters, class Storage>
-__device__ void expand_share(Storage& s, int stage, int tid);
+__device__ void convert_stage(Storage& s, int stage, uint32_t phase, int tid);
 
 // kCluster: 1, or the CTA is one of a cluster of 2 or 4 CTAs on neighbouring blocks of one m tile
 // (units_per_tile a multiple of kCluster), each loading 1/kCluster of the A tile for all by multicast.
@@ -744,10 +744,7 @@ __device__ void math_staged(const Params& p, SharedStorage<staging_buffers(true,
   int x_step = 0, x_stage = 0;
   uint32_t x_phase = 0;
   auto expand_next = [&]() {
-    cutlass::arch::ClusterTransactionBarrier::wait(&s.full[x_stage], x_phase);
-    expand_share<kSharedExpandThreads>(s, x_stage, kExpandThreads + ct);
-    cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
-    cutlass::arch::ClusterBarrier::arrive(&s.converted[x_stage]);
+    convert_stage<kSharedExpandThreads>(s, x_stage, x_phase, kExpandThreads + ct);
     if (++x_stage == kStages) {
       x_stage = 0;
       x_phase ^= 1;
@@ -862,6 +859,16 @@ __device__ __forceinline__ void expand_share(Storage& s, int stage, int tid) {
   }
 }
 
+// A converter's part of one stage: once its loads have landed, its share of the expansion, then
+// its arrival on the stage's `converted` barrier, which the math warpgroups wait on.
+template <int kConverters, class Storage>
+__device__ __forceinline__ void convert_stage(Storage& s, int stage, uint32_t phase, int tid) {
+  cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
+  expand_share<kConverters>(s, stage, tid);
+  cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
+  cutlass::arch::ClusterBarrier::arrive(&s.converted[stage]);
+}
+
 // kMx, warps 1-3 of the producer warpgroup: for each stage this CTA consumes, in the producer's
 // order, their share of its expansion (all of it, or with math_expand 96 of 352 converters'). The
 // math warpgroups' release of a stage follows its expansion (they wait for it), so the producer
@@ -874,11 +881,8 @@ __device__ void expand_e2m1(Storage& s, int steps, int converters) {
   uint32_t phase = 0;
 #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&s.full[stage], phase);
-    if (converters == kExpandThreads) expand_share<kExpandThreads>(s, stage, t);
-    else expand_share<kSharedExpandThreads>(s, stage, t);
-    cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, before wgmma reads them
-    cutlass::arch::ClusterBarrier::arrive(&s.converted[stage]);
+    if (converters == kExpandThreads) convert_stage<kExpandThreads>(s, stage, phase, t);
+    else convert_stage<kSharedExpandThreads>(s, stage, phase, t);
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
