@@ -115,7 +115,8 @@ RECIPES: dict[str, PrecisionRecipe] = {
 
 # the recipes the GPU executor (backends/triton_backend.py) runs; the others run the reference on a GPU.
 # mxfp8_mxfp4 runs on Hopper's fp8 MMA with its 1x32 scales folded into 1x128 / 128x128 blocks
-# (quant.py's MX section); its E2M1 weights expanded to e4m3 inside our expert GEMM where built.
+# (quant.py's MX section); its E2M1 weights folded to e4m3 in HBM once per weight version, or
+# expanded inside our expert GEMM (MEGAMOE_MX_GEMM=expanded, backends/triton_backend.py).
 GPU_EXECUTOR_RECIPES = ("bf16", "fp8", "fp8_e4m3_wgrad", "mxfp8_mxfp4")
 
 

@@ -24,12 +24,12 @@ mxfp8_mxfp4 (E2M1 weights, ue8m0 scales in 1 x 32 blocks) is quantized on CUDA b
 E2M1 kernel too, one pass per weight writing the forward's copy and the transposed one, cached
 like fp8. Its layout is quant.py's: quantize_weight's packed bytes and scales, fc1's rows
 interleaved in chunks of gate_up_chunk (8) like fp8's; w1_t / w2_t are quantize_weight_t's. The
-GPU executor's expert GEMM reads all four as stored and expands them to e4m3 in shared memory,
-with the shifts and block scales of mx_gemm_operands / mx_dgrad_gemm_operands
-(quant.mx_weight_shifts, a few bytes per 32 weights); where that kernel is not built its CUTLASS
-fp8 GEMMs read them folded to e4m3 with 128 x 128 power-of-two scales (mma_operands,
-mma_dgrad_operands, quant.fold_mx_weight; made once per weight version, twice E2M1's bytes). The
-reference executor dequantizes them. No bf16 copy of the weights is made for its backward.
+GPU executor's CUTLASS fp8 GEMMs read all four folded to e4m3 with 128 x 128 power-of-two scales
+(mma_operands, mma_dgrad_operands, quant.fold_mx_weight; made once per weight version, twice
+E2M1's bytes); with MEGAMOE_MX_GEMM=expanded our expert GEMM reads them as stored and expands them
+to e4m3 in shared memory, with the shifts and block scales of mx_gemm_operands /
+mx_dgrad_gemm_operands (quant.mx_weight_shifts, a few bytes per 32 weights). The reference
+executor dequantizes them. No bf16 copy of the weights is made for its backward.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def test_prepare_weights_makes_what_the_gpu_paths_read(monkeypatch, recipe, expa
     """The GPU executor's prepare_weights makes exactly the derived operands its forward and
     backward read on this path (MEGAMOE_MX_GEMM folded or expanded), nothing more (the folded
     copies are a byte a weight), and a second call reuses them."""
-    monkeypatch.setattr(triton_backend, "_mx_expert_gemm", lambda device: expanded)
+    monkeypatch.setattr(triton_backend, "_mx_expanded", lambda cfg, device: expanded and cfg.precision.mx)
     cfg = mx_config(recipe)
     g = torch.Generator().manual_seed(7)
     w1 = torch.randn(MX_E, 2 * MX_I, MX_H, generator=g, dtype=torch.bfloat16) * 0.05
@@ -223,7 +223,7 @@ def test_derived_operands_made_by_the_prep_graph_only(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
     monkeypatch.setattr(graphs, "mega_moe", reading_mega_moe)
     monkeypatch.setattr(ExpertWeights, "_folded", recording_fold)
-    monkeypatch.setattr(triton_backend, "_mx_expert_gemm", lambda device: False)  # the folded default
+    monkeypatch.setattr(triton_backend, "_mx_expanded", lambda cfg, device: False)  # the folded default
 
     cfg = mx_config()
     buffer = SimpleNamespace(device=torch.device("cuda"), num_local_experts=MX_E, config=cfg)

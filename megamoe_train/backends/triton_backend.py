@@ -169,16 +169,11 @@ def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
     return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
 
 
-def _mx_expert_gemm(device: torch.device) -> bool:
-    """The one place that picks the MX recipe's GEMMs: CUTLASS fp8 on the weights folded to e4m3
-    (the default), or with MEGAMOE_MX_GEMM=expanded our expert GEMM reading the E2M1 weights as
-    stored, where built."""
-    return _MX_GEMM == "expanded" and cutlass_gemm.has_expert_gemm_mx(device)
-
-
 def _mx_expanded(cfg, device: torch.device) -> bool:
-    """Whether this call's GEMMs read the MX recipe's E2M1 weights as stored (our expert GEMM)."""
-    return cfg.precision.mx and _mx_expert_gemm(device)
+    """The one place that picks the MX recipe's GEMMs: whether this call's read the E2M1 weights as
+    stored (our expert GEMM, with MEGAMOE_MX_GEMM=expanded, where built); else CUTLASS fp8 on the
+    weights folded to e4m3 (the default)."""
+    return cfg.precision.mx and _MX_GEMM == "expanded" and cutlass_gemm.has_expert_gemm_mx(device)
 
 
 # The weights as the expert GEMMs read them, by path: the one place that picks which of
