@@ -7,7 +7,7 @@ calls; calls the graph does not cover (no grad, another shape) run eagerly."""
 
 import pytest
 import torch
-from test_gpu_triton import TRITON_BASE, WORLDS
+from test_gpu_triton import TRITON_BASE, WORLDS, mx_gemm_path
 from test_mega_moe_dist import make_problem, rel_err
 
 from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
@@ -221,10 +221,7 @@ def graphed_mx_pair_captured_second(rank, world, mx_gemm):
     first, a weight update, then the overwrite=True pair (a step's first micro-batch): its output
     and main_grad are the eager call's on the new weights, bit for bit, replay after replay (when
     the first pair's forward derived them, the second pair read the last step's weights)."""
-    from megamoe_train.backends import triton_backend
-
-    previous, triton_backend._MX_GEMM = triton_backend._MX_GEMM, mx_gemm
-    try:
+    with mx_gemm_path(mx_gemm):
         cfg, buf, _, w1, w2 = fused_layer(rank, world, "mxfp8_mxfp4", seed=7)
         dev = buf.device
         for p in (w1, w2):
@@ -251,8 +248,6 @@ def graphed_mx_pair_captured_second(rank, world, mx_gemm):
             for name, p, m in zip(("w1", "w2"), (w1, w2), eager_acc):
                 assert torch.equal(p.main_grad, m), (step, name, rel_err(p.main_grad.cpu(), m.cpu()))
         assert sorted(graphed.pairs) == [False, True] and graphed.replays == 4 and graphed.weight_preparations == 4
-    finally:
-        triton_backend._MX_GEMM = previous
 
 
 @pytest.mark.parametrize("world", WORLDS)

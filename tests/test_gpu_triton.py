@@ -6,6 +6,7 @@ input; CUDA-graph capture. With recipes fp8 and mxfp8_mxfp4 all of these run the
 the same way); test_fp8_backward_kernels and test_mx_backward_against_reference_executor check the
 backward's kernels and executor wiring directly (fp8_backward_checks.py)."""
 
+import contextlib
 import os
 
 import pytest
@@ -63,16 +64,24 @@ def test_triton_matches_dense(rank_pools, world, recipe, routing):
     rank_pools(world, "nccl").run(triton_against_dense, cfg, tokens, seed=world * 7 + len(routing), routing=routing)
 
 
+@contextlib.contextmanager
+def mx_gemm_path(name: str):
+    """MEGAMOE_MX_GEMM as `name` ("folded" or "expanded") inside this block, in this process (a
+    rank pool's processes read the variable once, at import)."""
+    from megamoe_train.backends import triton_backend
+
+    previous, triton_backend._MX_GEMM = triton_backend._MX_GEMM, name
+    try:
+        yield
+    finally:
+        triton_backend._MX_GEMM = previous
+
+
 def mx_expanded_against_dense(rank, world, cfg_kwargs, tokens, seed, routing):
     """triton_against_dense with the MX GEMMs on our expert GEMM reading the E2M1 weights as stored
     (MEGAMOE_MX_GEMM=expanded; the default folds them to e4m3 in HBM)."""
-    from megamoe_train.backends import triton_backend
-
-    previous, triton_backend._MX_GEMM = triton_backend._MX_GEMM, "expanded"
-    try:
+    with mx_gemm_path("expanded"):
         return triton_against_dense(rank, world, cfg_kwargs, tokens, seed, routing)
-    finally:
-        triton_backend._MX_GEMM = previous
 
 
 @pytest.mark.parametrize("world", WORLDS)
