@@ -339,7 +339,7 @@ def floor_ms(stats, H, I, recipe, rates) -> tuple[float | None, float | None, di
 def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> list[dict]:
     from megamoe_train import MegaMoEConfig, get_symm_buffer, mega_moe
     from megamoe_train.backends import resolve_backend
-    from megamoe_train.weights import clear_weight_cache
+    from megamoe_train.weights import clear_weight_cache, transform_weights
 
     E, K, H, I, T = SHAPES[shape_name]
     group = dist.group.WORLD
@@ -490,9 +490,15 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         log(rank, "  " + fmt_row(rows[-1]))
     peak_gb = allreduce_max(torch.cuda.max_memory_allocated(device) / 1e9, device) if device.type == "cuda" else None
     wall_s = allreduce_max(time.perf_counter() - t_case, device)
+    # the rank's expert weights as the kernels read them, every operand derived so far included
+    weight_mb = allreduce_max(transform_weights(w1, w2, cfg).resident_bytes() / 1e6, device)
     for r in rows:
-        r.update(peak_mem_gb=peak_gb, case_wall_s=wall_s)
-    log(rank, f"  case wall {wall_s:.1f} s, peak memory {fmt(peak_gb, '.1f')} GB (max over ranks)")
+        r.update(peak_mem_gb=peak_gb, case_wall_s=wall_s, expert_weight_mb=weight_mb)
+    log(
+        rank,
+        f"  case wall {wall_s:.1f} s, peak memory {fmt(peak_gb, '.1f')} GB, expert weights as the kernels "
+        f"read them {weight_mb:.1f} MB (max over ranks)",
+    )
     del x, idx, tw, w1, w2, grad_y, x_leaf, tw_leaf, wq, leaves
     buf.destroy()
     clear_weight_cache()
@@ -525,8 +531,8 @@ def fmt_row(r) -> str:
 
 MD_HEADER = (
     "| date | machine | shape | routing | recipe | phase | ours ms | torch-native ms | ratio (native/ours) | "
-    "floor ms | ours/floor |\n"
-    "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    "floor ms | ours/floor | expert weights MB |\n"
+    "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 )
 
 
@@ -538,7 +544,7 @@ def md_rows(result) -> list[str]:
             f"{r['shape']} (E{r['E']} k{r['K']} H{r['H']} I{r['I']} T{r['T']}) | "
             f"{r['routing']} | {r['recipe']} | {'fwd' if r['phase'] == 'fwd' else 'fwd+bwd'} | {fmt(r['ours_ms'])} | "
             f"{fmt(r['native_ms'])} | {fmt(r['native_over_ours'], '.2f')} | {fmt(r['floor_ms'])} | "
-            f"{fmt(r['ours_over_floor'], '.2f')} |"
+            f"{fmt(r['ours_over_floor'], '.2f')} | {fmt(r.get('expert_weight_mb'), '.1f')} |"
         )
     return lines
 

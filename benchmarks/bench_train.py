@@ -52,6 +52,7 @@ _UNFUSED = "moe.megamoe_fuse_wgrad_accumulation=false"
 VARIANTS = {
     "bf16": ("bf16", []),
     "fp8": ("fp8", []),
+    "mxfp8_mxfp4": ("mxfp8_mxfp4", []),
     "bf16-unfused": ("bf16", [_UNFUSED]),
     "fp8-unfused": ("fp8", [_UNFUSED]),
     "bf16-eager": ("bf16", ["moe.megamoe_cuda_graph=false"]),

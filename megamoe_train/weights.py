@@ -145,6 +145,28 @@ class ExpertWeights:
                 f"executor's prepare_weights must make every operand derived from the weights that it reads"
             )
 
+    def resident_bytes(self) -> int:
+        """Bytes of the distinct storages this object holds: the quantized weights, their
+        transposed dgrad copies and every derived operand made so far (folds, shifts, compute
+        copies). What a recipe's expert weights cost beside the master weights; native weights
+        that alias the caller's tensor are counted too."""
+        storages: dict[int, int] = {}
+
+        def visit(x) -> None:
+            if isinstance(x, torch.Tensor):
+                storage = x.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            elif isinstance(x, (tuple, list)):
+                for y in x:
+                    visit(y)
+
+        for name in ("w1", "w1_scales", "w2", "w2_scales", "w1_t", "w1_t_scales", "w2_t", "w2_t_scales"):
+            visit(getattr(self, name))
+        for key, value in self.__dict__.items():
+            if key.startswith("_"):  # the cached derived operands
+                visit(value)
+        return sum(storages.values())
+
     def mma_operands(
         self, *, use_kernel: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:

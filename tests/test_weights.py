@@ -232,6 +232,28 @@ def test_mxfp4_mma_operands_are_the_folded_weights():
     assert all(a is b for a, b in zip(fp8.mma_operands(), (fp8.w1, fp8.w1_scales, fp8.w2, fp8.w2_scales)))
 
 
+def test_resident_bytes_count_each_storage_once_and_the_derived_operands():
+    """resident_bytes: the quantized weights, their dgrad copies and the derived operands made so
+    far, each storage once (fp8's mma_operands alias its weights). mxfp8_mxfp4 as stored (E2M1
+    plus ue8m0 per 32) is about half of fp8 (e4m3 plus fp32 per 128 x 128); its folded e4m3
+    copies add a byte per weight."""
+    w1, w2 = master_weights(seed=5)
+    n = w1.numel() + w2.numel()
+    fp8 = transform_weights(w1, w2, config("fp8"))
+    stored = sum(t.untyped_storage().nbytes() for t in (fp8.w1, fp8.w1_scales, fp8.w2, fp8.w2_scales))
+    stored += sum(t.untyped_storage().nbytes() for t in (fp8.w1_t, fp8.w1_t_scales, fp8.w2_t, fp8.w2_t_scales))
+    assert fp8.resident_bytes() == stored
+    fp8.mma_operands()
+    assert fp8.resident_bytes() == stored
+    mx = transform_weights(w1, w2, config("mxfp8_mxfp4"))
+    assert mx.resident_bytes() == n + 2 * n // 32  # two E2M1 copies (half a byte), two ue8m0 per 32
+    assert mx.resident_bytes() < 0.6 * fp8.resident_bytes()
+    mx.mma_operands()
+    assert mx.resident_bytes() > fp8.resident_bytes()
+    bf16 = transform_weights(w1.bfloat16(), w2.bfloat16(), config("bf16"))
+    assert bf16.resident_bytes() == 2 * n
+
+
 def test_frozen_weights_read_their_derived_operands_and_make_none():
     """freeze_operands (a graphed layer's prepared weights): an operand made before is read as
     made, one not made raises instead of being made (inside a captured forward or backward it
