@@ -3,6 +3,7 @@ MoE layer (alltoall dispatcher + SequentialMLP), same recipe, seed and data, in 
 
     python benchmarks/bench_train.py RECIPE.yaml [--steps 40] [--variants bf16,fp8,stock,bf16-eager,fp8-eager]
         [--profile-steps 3] [--out DIR] [--set SECTION.KEY=VALUE ...] [--tree LABEL=DIR ...] [--repeat N]
+        [--reference stock] [--loss-tail 20] [--with EARLIER/bench_train.json ...]
 
 A/B of two code versions in one call: `git worktree add ../base HEAD~1` (plus the built
 extensions copied in), then `--tree base=../base --repeat 2` runs every variant from this checkout
@@ -25,8 +26,10 @@ Each variant is a `megamoe-train` run (no checkpoints) in DIR/<variant>/. Report
 - host GC: ms per step the slowest rank's host spent in Python garbage collection (mean over the
   timed steps; with perf.manual_gc only the scheduled collections every perf.gc_every steps);
 - peak memory per GPU (torch.cuda.max_memory_allocated, every rank);
-- loss agreement with the stock variant: max relative difference of the per-step losses, and the
-  relative difference of the mean of the last 20 losses.
+- loss agreement with the reference variant (`--reference`, default stock): max relative
+  difference of the per-step losses, and the signed relative difference of the mean of the last
+  `--loss-tail` losses. `--with` adds the rows of an earlier run of the same recipe and steps
+  (e.g. variants too long for one call), compared and plotted with this run's.
 Prints a markdown table and writes DIR/bench_train.json and DIR/loss_curves.png. Runs on CPU too
 (then no profile / memory).
 """
@@ -161,7 +164,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def analyze(result: dict, warmup: int, untimed: set[int], reference: dict | None) -> dict:
+def analyze(result: dict, warmup: int, untimed: set[int]) -> dict:
     """untimed: steps left out of the rates besides the warm-up (the profiled ones and the next)."""
     if "error" in result:
         return result
@@ -198,14 +201,27 @@ def analyze(result: dict, warmup: int, untimed: set[int], reference: dict | None
         "losses": [r["loss"] for r in recs],
         "wall_s": result["wall_s"],
     }
-    if reference is not None and "error" not in reference:
-        ref = [r["loss"] for r in reference["records"]]
-        mine = row["losses"]
-        n = min(len(ref), len(mine))
-        tail = min(20, n)
-        row["loss_max_rel_diff_vs_stock"] = max(_rel(a, b) for a, b in zip(mine[:n], ref[:n]))
-        row["loss_last20_mean_rel_diff_vs_stock"] = _rel(sum(mine[n - tail : n]) / tail, sum(ref[n - tail : n]) / tail)
     return row
+
+
+def loss_agreement(rows: list[dict], reference: str, tail: int) -> None:
+    """Each row's losses against the reference row's, step by step: the largest relative
+    difference, and the signed relative difference of the mean of the last `tail` losses (what
+    a precision recipe must keep small). Rows without losses, or no reference row, get none."""
+    for r in rows:  # an earlier run's rows (--with) carry its own comparison
+        for key in ("loss_reference", "loss_max_rel_diff", "loss_tail_mean_rel_diff"):
+            r.pop(key, None)
+    ref = next((r for r in rows if r.get("variant") == reference and r.get("losses")), None)
+    for r in rows:
+        if ref is None or r is ref or not r.get("losses"):
+            continue
+        mine, theirs = r["losses"], ref["losses"]
+        n = min(len(mine), len(theirs))
+        t = min(tail, n)
+        r["loss_reference"] = reference
+        r["loss_max_rel_diff"] = max(_rel(a, b) for a, b in zip(mine[:n], theirs[:n]))
+        mean_mine, mean_ref = sum(mine[n - t : n]) / t, sum(theirs[n - t : n]) / t
+        r["loss_tail_mean_rel_diff"] = (mean_mine - mean_ref) / max(abs(mean_ref), 1e-12)
 
 
 def _most_waiting(records) -> dict[int, int] | None:
@@ -237,22 +253,22 @@ def _fmt(x, spec, scale=1.0, none="n/a"):
     return none if x is None else format(x * scale, spec)
 
 
-def markdown(rows: list[dict], recipe: str, steps: int) -> str:
+def markdown(rows: list[dict], recipe: str, steps: int, reference: str = "stock", tail: int = 20) -> str:
     lines = [
         f"`{os.path.basename(recipe)}`, {steps} steps per variant",
         "",
         "| variant | tokens/s | MFU | step ms | GPU busy | MoE share of kernel time | peer wait ms/step | "
         "host GC ms/step | "
-        "expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs stock | "
-        "last-20 mean loss | "
-        "its rel diff vs stock |",
+        f"expert load max/mean | EP rank rows max/mean | peak mem per GPU (GiB) | loss max rel diff vs {reference} | "
+        f"last-{tail} mean loss | "
+        f"its rel diff vs {reference} |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['error']} | | | | | | | | | | | | |")
             continue
-        tail = r["losses"][-20:]
+        last = r["losses"][-tail:]
         mem = r["peak_memory_gib"]
         lines.append(
             f"| {r['variant']} | {r['tokens_per_s']:.0f} | {_fmt(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} | "
@@ -260,8 +276,8 @@ def markdown(rows: list[dict], recipe: str, steps: int) -> str:
             f"{_fmt(r['peer_wait_ms_per_step'], '.1f')} | {_fmt(r.get('host_gc_ms_per_step'), '.1f')} | "
             f"{_fmt(r['expert_load_imbalance'], '.2f')} | {_fmt(r.get('ep_rank_load_imbalance'), '.3f')} | "
             f"{'n/a' if not mem else ', '.join(f'{m:.1f}' for m in mem)} | "
-            f"{_fmt(r.get('loss_max_rel_diff_vs_stock'), '.2%', none='-')} | "
-            f"{sum(tail) / len(tail):.4f} | {_fmt(r.get('loss_last20_mean_rel_diff_vs_stock'), '.2%', none='-')} |"
+            f"{_fmt(r.get('loss_max_rel_diff'), '.2%', none='-')} | "
+            f"{sum(last) / len(last):.4f} | {_fmt(r.get('loss_tail_mean_rel_diff'), '+.2%', none='-')} |"
         )
     for r in rows:  # where the profiled steps' kernel time went, inside and outside the MoE layers
         prof = r.get("profile_rank0") or {}
@@ -352,6 +368,17 @@ def main(argv=None) -> int:
         help="run the list this many times, alternating variants and trees (rows '#k'): machine "
         "drift then falls on every variant alike",
     )
+    p.add_argument("--reference", default="stock", help="the variant every other's losses are compared with")
+    p.add_argument("--loss-tail", type=int, default=20, help="the last steps whose mean loss is compared")
+    p.add_argument(
+        "--with",
+        dest="merged",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="also report the rows of an earlier bench_train.json of the same recipe and steps (its "
+        "losses compared and plotted with this run's)",
+    )
     args = p.parse_args(argv)
     from megamoe_trainer.cli import quiet
 
@@ -388,9 +415,17 @@ def main(argv=None) -> int:
         )
         for key, n, tree in runs
     }
-    reference = results.get("stock" if args.repeat == 1 else "stock#1")
-    rows = [analyze(results[key], warmup, untimed, reference if n != "stock" else None) for key, n, _ in runs]
-    table = markdown(rows, args.recipe, args.steps)
+    rows = [analyze(results[key], warmup, untimed) for key, n, _ in runs]
+    for path in args.merged:  # rows of earlier runs of the same recipe and steps, e.g. from another call
+        with open(path) as f:
+            earlier = json.load(f)
+        if earlier["steps"] != args.steps or os.path.basename(earlier["recipe"]) != os.path.basename(args.recipe):
+            p.error(f"--with {path}: {earlier['recipe']} at {earlier['steps']} steps, not this run's")
+        for r in earlier["rows"]:  # a variant run again here keeps both rows
+            rows.append(r | {"variant": f"{r['variant']} (earlier)"} if r["variant"] in results else r)
+    reference = args.reference if args.repeat == 1 else f"{args.reference}#1"
+    loss_agreement(rows, reference, args.loss_tail)
+    table = markdown(rows, args.recipe, args.steps, reference, args.loss_tail)
     print(table, flush=True)
     out = {
         "recipe": args.recipe,
@@ -405,8 +440,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"[bench_train] wrote {os.path.join(args.out, 'bench_train.json')}", flush=True)
+    plotted = sorted(rows, key=lambda r: r.get("variant") != reference)  # the reference first: the others vs it
     plot = plot_losses(
-        rows, os.path.join(args.out, "loss_curves.png"), f"{os.path.basename(args.recipe)}, {args.steps} steps"
+        plotted, os.path.join(args.out, "loss_curves.png"), f"{os.path.basename(args.recipe)}, {args.steps} steps"
     )
     if plot:
         print(f"[bench_train] wrote {plot}", flush=True)

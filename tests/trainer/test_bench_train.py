@@ -60,8 +60,28 @@ def test_bench_train_cpu(tmp_path):
         assert r["gpu_busy_fraction"] is None and r["peak_memory_gib"] is None  # CPU: no GPU numbers
         assert prof["peer_wait_s"] == 0.0 and "peer_wait_ms_per_step" in r and "expert_load_imbalance" in r
     for name in ("bf16", "fp8"):  # same seed and data: the losses follow stock's closely
-        assert rows[name]["loss_max_rel_diff_vs_stock"] < 1e-2
-        assert rows[name]["loss_last20_mean_rel_diff_vs_stock"] < 1e-2
+        assert rows[name]["loss_reference"] == "stock"
+        assert rows[name]["loss_max_rel_diff"] < 1e-2
+        assert abs(rows[name]["loss_tail_mean_rel_diff"]) < 1e-2
+
+    # a later call's variant joins the earlier rows (--with), compared with one of them
+    later = tmp_path / "later"
+    args[args.index("--out") + 1] = str(later)
+    args += ["--variants", "fp8", "--reference", "bf16", "--loss-tail", "3"]
+    args += ["--with", str(tmp_path / "bench_train.json")]
+    proc = subprocess.run(
+        args,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "last-3 mean loss" in proc.stdout and "vs bf16" in proc.stdout
+    rows = {r["variant"]: r for r in json.load(open(later / "bench_train.json"))["rows"]}
+    assert set(rows) == {"fp8", "bf16", "fp8 (earlier)", "stock"}
+    assert rows["fp8"]["losses"] == rows["fp8 (earlier)"]["losses"]  # same code, seed and data
+    assert rows["fp8"]["loss_reference"] == "bf16" and "loss_reference" not in rows["bf16"]
 
 
 def test_bench_train_another_tree_and_repeats(tmp_path):
