@@ -20,7 +20,8 @@ Per (shape, routing, recipe) case it times, on the same inputs, each rank with t
   floor     max(GEMM FLOPs / dense GEMM rate, NVLink bytes / NVLink rate), per rank, max over
             ranks, with the rates measured at the start of the same run; NVLink bytes count one
             row per unique (token, destination GPU), the physical minimum
-each for the forward (training forward, autograd enabled) and forward+backward. Timing: CUDA
+each for the forward (training forward, autograd enabled) and forward+backward; with --graphed,
+ours replayed from CUDA graphs as the trainer runs it (forward+backward only). Timing: CUDA
 events around every iteration, warmup, median, reported as the max over ranks; barriers between
 phases. Once per case, y (and dx, d topk_weights for fwd+bwd) of ours and native are compared.
 """
@@ -365,8 +366,18 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     native_recipe = NATIVE_RECIPE[recipe]
     wq = native_moe.quantize_weights(w1.detach(), w2.detach()) if native_recipe == "fp8" else None
 
-    def ours_fwd(xx, ww):
-        return mega_moe(xx, idx, ww, w1, w2, buf, backend=args.backend)
+    if args.graphed:  # as the trainer runs it: captured at the first call, replayed after
+        from megamoe_train.graphs import GraphedMegaMoE
+
+        graphed = GraphedMegaMoE(buf, w1, w2, backend=args.backend or "auto")
+
+        def ours_fwd(xx, ww):
+            return graphed(xx, idx, ww)
+
+    else:
+
+        def ours_fwd(xx, ww):
+            return mega_moe(xx, idx, ww, w1, w2, buf, backend=args.backend)
 
     def native_fwd(xx, ww):
         if native_recipe == "fp8":
@@ -438,7 +449,8 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     free_memory(device)
 
     rows = []
-    for phase in args.phases:
+    # a graphed layer's forward must be followed by its backward before its next forward
+    for phase in [ph for ph in args.phases if not (args.graphed and ph == "fwd")]:
         res = {}
         for impl, f in (("ours", ours_fwd), ("native", native_fwd)):
             if not usable[impl]:
@@ -470,7 +482,7 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
                 I=I,
                 T=T,
                 routing=routing,
-                recipe=recipe,
+                recipe=recipe + (", graphed" if args.graphed else ""),
                 phase=phase,
                 ours_ms=o_ms,
                 native_ms=n_ms,
@@ -681,6 +693,13 @@ def parse_args(argv=None):
     p.add_argument("--recipes", type=csv, default=["bf16", "fp8"])
     p.add_argument("--phases", type=csv, default=["fwd", "fwdbwd"])
     p.add_argument("--backend", default=None, help="mega_moe backend (default auto; reference on CPU)")
+    p.add_argument(
+        "--graphed",
+        action="store_true",
+        help="time ours replayed from CUDA graphs (graphs.GraphedMegaMoE, as the trainer runs it), so the "
+        "host's ~100 launches per call stay out of the GPU time; forward+backward only (a graphed layer's "
+        "forward must be followed by its backward); CUDA only",
+    )
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPU count, or 2 on CPU)")
     p.add_argument("--warmup", type=int, default=3)
@@ -701,6 +720,8 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.backend is None:
         args.backend = "auto" if args.device == "cuda" else "reference"
+    if args.graphed and args.device != "cuda":
+        p.error("--graphed: CUDA graphs need --device cuda")
     for s in args.shapes:
         if s not in SHAPES:
             p.error(f"--shapes: unknown {s!r}")
