@@ -57,6 +57,8 @@ def bad_case(index, value, operands=wgrad_operands):
         ),
         (bad_case(0, torch.zeros(200, 1024, dtype=E4M3)), "M=200, N=384 and P=1024 .* multiples of 128"),
         (bad_case(0, torch.zeros(256, 1000, dtype=E4M3)), "P=1000 .* multiples of 128"),
+        (bad_case(2, torch.zeros(0, 1024, dtype=E4M3)), "M=256 and N=0 must be positive"),
+        (bad_case(0, torch.zeros(0, 1024, dtype=E4M3)), "M=0 and N=384 must be positive"),
         (wgrad_operands(), "must be CUDA tensors"),  # everything else is right
     ],
 )
@@ -92,6 +94,8 @@ def bad_store_case(index, value):
         (bad_acc_case(3, torch.zeros(4, 384, 256)), "out must be .* shape \\[4, 256, 384\\]"),
         (bad_acc_case(3, torch.zeros(4 * 256 * 384 + 1)[1:].view(4, 256, 384)), "out must start at a 16-byte aligned"),
         (bad_acc_case(0, torch.zeros(1040, 250, dtype=torch.bfloat16)), "M=250 and N=384 must be multiples of 8"),
+        (bad_acc_case(1, torch.zeros(1040, 0, dtype=torch.bfloat16)), "M=256 and N=0 must be positive"),
+        (bad_acc_case(0, torch.zeros(1040, 0, dtype=torch.bfloat16)), "M=0 and N=384 must be positive"),
         (acc_operands(), "must be CUDA tensors"),  # everything else is right
     ],
 )
@@ -106,6 +110,7 @@ def test_wgrad_accumulate_rejects_bad_operands_before_touching_a_device(args, me
         (bad_store_case(0, torch.zeros(1040, 256)), "a must be a contiguous torch.bfloat16"),
         (bad_store_case(3, torch.zeros(4, 256, 384, dtype=torch.float16)), "out must be a contiguous torch.bfloat16"),
         (bad_store_case(3, torch.zeros(4, 384, 256, dtype=torch.bfloat16)), "out must be .* shape \\[4, 256, 384\\]"),
+        (bad_store_case(1, torch.zeros(1040, 0, dtype=torch.bfloat16)), "M=256 and N=0 must be positive"),
         (acc_operands(out_dtype=torch.bfloat16), "must be CUDA tensors"),
         (acc_operands(), "must be CUDA tensors"),  # fp32 stored (main_grad written over)
     ],
@@ -113,6 +118,25 @@ def test_wgrad_accumulate_rejects_bad_operands_before_touching_a_device(args, me
 def test_wgrad_store_rejects_bad_operands_before_touching_a_device(args, message):
     with pytest.raises(ValueError, match=f"bf16_wgrad_grouped_gemm: .*{message}"):
         cutlass_gemm.bf16_wgrad_grouped_gemm(*args)
+
+
+@pytest.mark.parametrize(
+    "fn,out_dtype",
+    [
+        (cutlass_gemm.bf16_wgrad_grouped_gemm, torch.bfloat16),
+        (cutlass_gemm.bf16_wgrad_grouped_gemm, torch.float32),
+        (cutlass_gemm.bf16_wgrad_grouped_gemm_accumulate, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("p", [1041, 1044, 7])
+def test_bf16_wgrad_names_the_pool_rows_rule(fn, out_dtype, p):
+    # the extension refuses these as "N and K must be multiples of 16 bytes" (its K is P), N being fine
+    a, b, ends, out = acc_operands(p=p, out_dtype=out_dtype)
+    with pytest.raises(ValueError, match=f"{fn.__name__}: P={p} \\(the pool rows .*\\) must be a multiple of 8"):
+        fn(a, b, ends, out)
+    a, b, ends, out = acc_operands(p=p + 8 - p % 8, out_dtype=out_dtype)  # padded: only the device is wrong
+    with pytest.raises(ValueError, match="must be CUDA tensors"):
+        fn(a, b, ends, out)
 
 
 def fp8_operands(m=256, n=256, k=384, groups=3):
@@ -260,6 +284,7 @@ def test_wgrad_cpp_checks_answer_without_a_gpu(groups, m, n, p, variant, message
         (0, 256, 256, 1024, 0, "num_groups must be positive"),
         (4, 250, 256, 1024, 0, "M must be a positive multiple of 16 bytes"),
         (4, 256, 250, 1024, 0, "N and K must be multiples of 16 bytes"),
+        (4, 256, 256, 1001, 0, "N and K must be multiples of 16 bytes"),  # K is P here (the wrapper says so)
         (4, 256, 256, 1024, 7, "unknown bf16 wgrad variant"),
     ],
 )

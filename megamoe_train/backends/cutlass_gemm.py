@@ -134,6 +134,13 @@ def _tma_operands_on_cuda(fn: str, tma_operands: dict) -> torch.device:
     return dev
 
 
+def _nonempty_output(fn: str, m: int, n: int) -> None:
+    """A depth-grouped GEMM's out [G, M, N] holds expert weight gradients: a weight with an empty
+    dimension is a bad config, and the launch would fail with a generic error (no fill blocks)."""
+    if m == 0 or n == 0:
+        raise ValueError(f"{fn}: M={m} and N={n} must be positive (out [G, M, N]: an expert weight's gradient)")
+
+
 # the depth-grouped (wgrad) GEMMs: (default variant, swizzle) and the extension's variant count
 _DEPTH_GROUPED = {
     "fp8_wgrad": (FP8_WGRAD_DEFAULT, "FP8_WGRAD_VARIANTS"),
@@ -261,8 +268,8 @@ def fp8_wgrad_grouped_gemm(
     with fp32 accumulation (the scales applied per 128-deep K step), stored bf16.
 
     a_t e4m3 [M, P] and b_t e4m3 [N, P]: the pool's operands transposed, pool rows contiguous
-    (P a multiple of 128, M and N too); a_t_scales fp32 [M, P/128], b_t_scales fp32 [N, P/128];
-    group_ends int32 [G]: multiples of 128, nondecreasing, at most P; out bf16 [G, M, N].
+    (P, M and N multiples of 128, M and N positive); a_t_scales fp32 [M, P/128], b_t_scales fp32
+    [N, P/128]; group_ends int32 [G]: multiples of 128, nondecreasing, at most P; out bf16 [G, M, N].
     An expert with no rows gets zeros; pool rows past group_ends[-1] are not read. group_ends is
     read on the device only, so it is not checked here: a group whose range breaks those rules
     is not computed and its out[g] is NaN. Returns out."""
@@ -276,6 +283,7 @@ def fp8_wgrad_grouped_gemm(
     (M, P), N, G = a_t.shape, b_t.shape[0], group_ends.shape[0]
     if G == 0:
         raise ValueError(f"{fn}: group_ends is empty (no experts)")
+    _nonempty_output(fn, M, N)
     if M % SCALE_BLOCK or N % SCALE_BLOCK or P % SCALE_BLOCK:
         raise ValueError(f"{fn}: M={M}, N={N} and P={P} (pool rows) must be multiples of {SCALE_BLOCK}")
     dev = a_t.device
@@ -315,11 +323,11 @@ def bf16_wgrad_grouped_gemm(a, b, group_ends, out, variant: int | None = None, s
         out[g] = a[s:e]^T @ b[s:e]        (fp32 accumulation, stored in out's dtype)
 
     a bf16 [P, M] (the output gradients' pool rows), b bf16 [P, N] (the inputs' pool rows), both
-    as stored (M, N multiples of 8); group_ends int32 [G], nondecreasing, at most P; out bf16 or
-    fp32 [G, M, N], never read (fp32: e.g. a main_grad whose contents are stale, written over
-    instead of zeroed and added to). An expert with no rows gets zeros; group_ends is read on the
-    device only, and a group whose range is not inside [0, P] is not computed and gets NaN.
-    Returns out."""
+    as stored (P, M and N multiples of 8, M and N positive); group_ends int32 [G], nondecreasing,
+    at most P; out bf16 or fp32 [G, M, N], never read (fp32: e.g. a main_grad whose contents are
+    stale, written over instead of zeroed and added to). An expert with no rows gets zeros;
+    group_ends is read on the device only, and a group whose range is not inside [0, P] is not
+    computed and gets NaN. Returns out."""
     return _bf16_wgrad("bf16_wgrad_grouped_gemm", a, b, group_ends, out, variant, swizzle, accumulate=False)
 
 
@@ -343,10 +351,10 @@ def bf16_wgrad_grouped_gemm_accumulate(a, b, group_ends, out, variant: int | Non
         out[g] += a[s:e]^T @ b[s:e]        (fp32 accumulation, added unrounded to out[g])
 
     a bf16 [P, M] (the output gradients' pool rows), b bf16 [P, N] (the inputs' pool rows), both
-    as stored (M, N multiples of 8); group_ends int32 [G], nondecreasing, at most P; out fp32
-    [G, M, N] (e.g. a stacked expert weight's main_grad). An expert with no rows adds nothing;
-    group_ends is read on the device only, and a group whose range is not inside [0, P] is
-    skipped. Returns out."""
+    as stored (P, M and N multiples of 8, M and N positive); group_ends int32 [G], nondecreasing,
+    at most P; out fp32 [G, M, N] (e.g. a stacked expert weight's main_grad). An expert with no
+    rows adds nothing; group_ends is read on the device only, and a group whose range is not
+    inside [0, P] is skipped. Returns out."""
     return _bf16_wgrad("bf16_wgrad_grouped_gemm_accumulate", a, b, group_ends, out, variant, swizzle, accumulate=True)
 
 
@@ -359,8 +367,17 @@ def _bf16_wgrad(fn, a, b, group_ends, out, variant, swizzle, accumulate: bool):
     (P, M), N, G = a.shape, b.shape[1], group_ends.shape[0]
     if G == 0:
         raise ValueError(f"{fn}: group_ends is empty (no experts)")
+    _nonempty_output(fn, M, N)
     if M % 8 or N % 8:
         raise ValueError(f"{fn}: M={M} and N={N} must be multiples of 8 (16-byte rows)")
+    # The TMA steps the pool's rows M and N elements apart and needs nothing of P, but the
+    # extension's launch check holds every grouped GEMM's K to 16 bytes, and here K is P: without
+    # this check it answers "N and K must be multiples of 16 bytes".
+    if P % 8:
+        raise ValueError(
+            f"{fn}: P={P} (the pool rows of a [P, M] and b [P, N], the GEMM's depth) must be a multiple of 8 "
+            "(the extension's K rule: 16 bytes); pad the pool (rows past group_ends[-1] are not read)"
+        )
     dev = a.device
     _check(fn, "a", a, torch.bfloat16, (P, M), dev)
     _check(fn, "b", b, torch.bfloat16, (P, N), dev)
