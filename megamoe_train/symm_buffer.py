@@ -24,6 +24,7 @@ from .config import MegaMoEConfig
 from .errors import MegaMoEPeerError
 from .layout import BufferLayout, buffer_layout
 from .transport import NUM_WAIT_SITES, StatusExchange, open_transport
+from .transport.cuda_symmetric import allocation_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -40,6 +41,26 @@ class BufferRegions:
     grad_y: torch.Tensor  # [T, H] published dY (compute dtype)
     partials: torch.Tensor  # [R (+1 shared), T, H] combine rows pushed home, one per (owner, token)
     topk_weight_grads: torch.Tensor  # float32 [T, K] d(topk weight) pushed home per slot
+
+
+def check_fits(config: MegaMoEConfig, layout: BufferLayout, needed: int, free: int, device) -> None:
+    """Raise a ValueError that says what drives the size when one rank's allocation of `needed`
+    bytes (the layout's buffer and the transport's own area) exceeds the `free` bytes of `device`.
+    On CPU the /dev/shm files are not checked: peers' files take their space while ranks create
+    theirs, and the pages are only taken when written."""
+    if needed <= free:
+        return
+    gib = 2**30
+    largest = sorted(layout.regions.values(), key=lambda r: r.nbytes, reverse=True)[:3]
+    regions = ", ".join(f"{r.name} {list(r.shape)} {r.dtype} {r.nbytes / gib:.2f} GiB" for r in largest)
+    raise ValueError(
+        f"SymmBuffer: the buffer needs {needed} bytes ({needed / gib:.2f} GiB) per rank on {device}, but "
+        f"{free} bytes ({free / gib:.2f} GiB) are free. Its size is num_max_tokens_per_rank="
+        f"{config.num_max_tokens_per_rank} times rows of hidden={config.hidden} values: x, grad_y and a combine "
+        f"row per rank of the group ({layout.num_ranks}, + 1 with shared experts) for each token (layout.py); "
+        f"the largest regions: {regions}. Lower num_max_tokens_per_rank (the most tokens one rank passes in a "
+        "call) or free device memory"
+    )
 
 
 class SymmBuffer:
@@ -60,6 +81,11 @@ class SymmBuffer:
         names = {f.name for f in fields(BufferRegions)}
         if not set(self.layout.regions) <= names:
             raise RuntimeError(f"SymmBuffer: layout regions {sorted(self.layout.regions)} do not match BufferRegions")
+        if self.device.type == "cuda":
+            # before the collective creation: on equal devices every rank stops here, where the
+            # allocation's out-of-memory error would come with peers already past the agreement
+            free, _ = torch.cuda.mem_get_info(self.device)
+            check_fits(config, self.layout, allocation_bytes(self.layout.nbytes, self.world_size), free, self.device)
         description = f"{config!r} on {self.world_size} ranks, {self.layout.nbytes} bytes"
         self._transport = open_transport(self.layout.nbytes, group, self.device, timeout_s, description)
         self._failure: str | None = None

@@ -79,3 +79,49 @@ def barrier_times_out_when_a_peer_is_missing(rank, world):
 def test_barrier_fails_loudly_instead_of_hanging(rank_pools):
     rank_pools(2).run(barrier_times_out_when_a_peer_is_missing)
     rank_pools(2).close(force=True)  # the group saw a failed collective; next tests start afresh
+
+
+# a buffer of 2^20 tokens of 4096 bf16 values: 16 GiB of combine rows per rank of the group
+HUGE = dict(CFG, hidden=4096, num_max_tokens_per_rank=1 << 20, dtype=torch.bfloat16)
+
+
+def huge_buffer_is_refused_before_allocating(rank, world):
+    cfg = MegaMoEConfig(**HUGE)
+    asked = []
+
+    def mem_get_info(device=None):
+        asked.append(torch.device(device))
+        return 8 << 30, 80 << 30
+
+    real, torch.cuda.mem_get_info = torch.cuda.mem_get_info, mem_get_info
+    try:
+        # no GPU here: anything past the check would fail on the device, not with this message
+        with pytest.raises(ValueError, match="SymmBuffer: the buffer needs \\d+ bytes") as err:
+            get_symm_buffer(None, cfg, device="cuda:0", timeout_s=20)
+    finally:
+        torch.cuda.mem_get_info = real
+    return str(err.value), asked
+
+
+def test_buffer_larger_than_free_device_memory_is_refused(rank_pools):
+    from megamoe_train.layout import buffer_layout
+    from megamoe_train.transport.cuda_symmetric import allocation_bytes
+
+    needed = allocation_bytes(buffer_layout(MegaMoEConfig(**HUGE), 2).nbytes, 2)
+    for message, asked in rank_pools(2).run(huge_buffer_is_refused_before_allocating):
+        assert asked == [torch.device("cuda", 0)]
+        assert f"needs {needed} bytes" in message and f"but {8 << 30} bytes (8.00 GiB) are free" in message
+        assert "num_max_tokens_per_rank=1048576" in message and "hidden=4096" in message
+        assert "group (2, + 1 with shared experts)" in message
+        assert "partials [2, 1048576, 4096] torch.bfloat16 16.00 GiB" in message
+
+
+def test_check_fits():
+    from megamoe_train.layout import buffer_layout
+    from megamoe_train.symm_buffer import check_fits
+
+    cfg = MegaMoEConfig(**HUGE)
+    layout = buffer_layout(cfg, 4)
+    check_fits(cfg, layout, layout.nbytes, layout.nbytes, torch.device("cuda", 1))  # exactly fits
+    with pytest.raises(ValueError, match=f"needs {layout.nbytes + 1} bytes .* on cuda:1, but {layout.nbytes} bytes"):
+        check_fits(cfg, layout, layout.nbytes + 1, layout.nbytes, torch.device("cuda", 1))

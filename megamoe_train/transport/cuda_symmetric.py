@@ -55,6 +55,18 @@ def _agree_description(group, rank: int, description: str, timeout_s: float):
         )
 
 
+def allocation_bytes(nbytes: int, world: int) -> int:
+    """Bytes of one rank's allocation for a buffer of nbytes: the buffer, then the barrier area at
+    the next 256-byte boundary."""
+    from ..device_barrier import area_bytes
+
+    return _area_offset(nbytes) + area_bytes(world)
+
+
+def _area_offset(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
 class CudaSymmetricPeers:
     """CUDA transport: PyTorch symmetric memory (CUDA P2P backend) and our own device barrier
     (device_barrier.py) over a barrier area at the end of every rank's allocation: tagged with
@@ -63,8 +75,6 @@ class CudaSymmetricPeers:
 
     def __init__(self, nbytes: int, group, device: torch.device, timeout_s: float, description: str):
         from torch.distributed import _symmetric_memory as symm_mem
-
-        from ..device_barrier import area_bytes
 
         self.timeout_s = timeout_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -76,8 +86,8 @@ class CudaSymmetricPeers:
             NUM_WAIT_SITES, dtype=torch.int64, device=device
         )  # device time barriers waited, per site
         _agree_description(group, self.rank, description, timeout_s)
-        self.area_offset = -(-nbytes // 256) * 256
-        total = self.area_offset + area_bytes(self.world)
+        self.area_offset = _area_offset(nbytes)
+        total = allocation_bytes(nbytes, self.world)
         try:
             group_name = group.group_name
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
