@@ -76,9 +76,6 @@ _FP8_FORWARD = os.environ.get("MEGAMOE_FP8_FORWARD", "split")
 # E2M1 weights as stored, expanded in shared memory, where built: half the weight bytes, but its
 # expansion bounds it, 1.6-1.7x slower at S1 and P on 2026-12-07; docs/decisions.md).
 _MX_GEMM = os.environ.get("MEGAMOE_MX_GEMM", "folded")
-# The expanded path's schedule (fp8_expert_gemm_mx's variant): + 32, the math warpgroups share the
-# E2M1 expansion with the producer's three converter warps, which alone bound variant 0.
-_MX_GEMM_VARIANT = 32
 
 
 def unsupported_reason(cfg, device: torch.device) -> str | None:
@@ -206,7 +203,7 @@ def _dgrad_gemm(cfg, weights: ExpertWeights, fc: int, a, a_scales, plan: Plan, o
     operands = _backward_weight_operands(cfg, weights, a.device)
     if _mx_expanded(cfg, a.device):  # w1_t's three, then w2_t's
         b = operands[:3] if fc == 1 else operands[3:]
-        return cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, plan.expert_ends, out, _MX_GEMM_VARIANT)
+        return cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, plan.expert_ends, out)
     b = operands[:2] if fc == 1 else operands[2:]  # w1_t, its scales, w2_t, its scales
     return _fp8_grouped_gemm(a, a_scales, *b, plan, out, align)
 
@@ -500,15 +497,11 @@ class TritonExecutor:
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         w1, w1_shifts, w1_scales, w2, w2_shifts, w2_scales = _forward_weight_operands(cfg, weights, dev)
         h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-        cutlass_gemm.fp8_expert_gemm_mx(
-            pool.x, pool.x_scales, w1, w1_shifts, w1_scales, plan.expert_ends, h, _MX_GEMM_VARIANT
-        )
+        cutlass_gemm.fp8_expert_gemm_mx(pool.x, pool.x_scales, w1, w1_shifts, w1_scales, plan.expert_ends, h)
         clamp = cfg.activation_clamp
         K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, clamp, mx=True)
         out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-        cutlass_gemm.fp8_expert_gemm_mx(
-            act, act_scales, w2, w2_shifts, w2_scales, plan.expert_ends, out, _MX_GEMM_VARIANT
-        )
+        cutlass_gemm.fp8_expert_gemm_mx(act, act_scales, w2, w2_shifts, w2_scales, plan.expert_ends, out)
         return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
     def experts_backward(
