@@ -4,6 +4,10 @@ SwiGLU + requantization kernel, CUTLASS grouped GEMM for L2) against our fused k
 (bench_gemm.pool_sizes: uniform routing, experts padded to 16 rows), with the floor of the same run.
 
   python benchmarks/bench_expert_gemm.py [--shapes S1,S4,S2,P,proxy16] [--ep 1] [--out x.md] [--once]
+      [--gemms fwd,dgrad]
+
+--gemms dgrad adds the backward's two dgrad GEMMs (fp8, and the MX recipe's E2M1 weights expanded
+or folded), the floor counted the same way.
 
 Per shape: each piece's median ms and TFLOP/s of routed rows, the sum, and the floor =
 max(FLOPs / the dense fp8 rate, bytes / the HBM rate), FLOPs and bytes of the routed rows (the
@@ -218,11 +222,96 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     return lines
 
 
+DGRAD_HEAD = [
+    "",
+    "The dgrads (grad_act = dY W2, grad_x = dH W1; B the transposed weights quantized along the dgrad's "
+    "K): fp8 on CUTLASS, the MX recipe's E2M1 copies expanded in smem (variant 0, + 32) or folded to e4m3",
+    "",
+    "| shape | experts | routed rows | pool rows | path | L2 dgrad [P, I] | L1 dgrad [P, H] | total | floor | bits |",
+    "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- |",
+]
+
+
+def run_dgrad_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> list[str]:
+    """The two dgrad GEMMs the backward runs for fp8 and mxfp8_mxfp4 (executor._dgrad_gemm): L2's,
+    A = dY e4m3 [P, H] against w2_t [E, I, H] (N = I, K = H), and L1's, A = dH e4m3 [P, 2I] against
+    w1_t [E, H, 2I] (N = H, K = 2I)."""
+    E, topk, H, I, T = SHAPES[shape]
+    sizes, useful = pool_sizes(shape, ep, routed=True)
+    G, P = len(sizes), sum(sizes)
+    ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    dy_q, dy_s = quantize_act(torch.randn(P, H, device=dev, dtype=torch.bfloat16), FP8)
+    dh_q, dh_s = quantize_act(torch.randn(P, 2 * I, device=dev, dtype=torch.bfloat16), FP8)
+    w2_t = torch.randn(G, I, H, device=dev, dtype=torch.bfloat16) * H**-0.5
+    w2_tq, w2_ts = quantize_weight(w2_t, FP8)
+    w2_mx, w2_folded = mx_operands(w2_t)
+    del w2_t
+    w1_t = torch.randn(G, H, 2 * I, device=dev, dtype=torch.bfloat16) * (2 * I) ** -0.5
+    w1_tq, w1_ts = quantize_weight(w1_t, FP8)
+    w1_mx, w1_folded = mx_operands(w1_t)
+    del w1_t
+    grad_act = torch.empty(P, I, device=dev, dtype=torch.bfloat16)
+    grad_x = torch.empty(P, H, device=dev, dtype=torch.bfloat16)
+
+    paths = {
+        "fp8, CUTLASS": (
+            lambda: cutlass_gemm.fp8_grouped_gemm(dy_q, dy_s, w2_tq, w2_ts, ends, grad_act),
+            lambda: cutlass_gemm.fp8_grouped_gemm(dh_q, dh_s, w1_tq, w1_ts, ends, grad_x),
+        ),
+        "mxfp4 folded to e4m3, CUTLASS": (
+            lambda: cutlass_gemm.fp8_grouped_gemm(dy_q, dy_s, *w2_folded, ends, grad_act),
+            lambda: cutlass_gemm.fp8_grouped_gemm(dh_q, dh_s, *w1_folded, ends, grad_x),
+        ),
+        "mxfp4 expanded in smem": (
+            lambda: cutlass_gemm.fp8_expert_gemm_mx(dy_q, dy_s, *w2_mx, ends, grad_act),
+            lambda: cutlass_gemm.fp8_expert_gemm_mx(dh_q, dh_s, *w1_mx, ends, grad_x),
+        ),
+        "mxfp4 expanded in smem by every warpgroup": (
+            lambda: cutlass_gemm.fp8_expert_gemm_mx(dy_q, dy_s, *w2_mx, ends, grad_act, 32),
+            lambda: cutlass_gemm.fp8_expert_gemm_mx(dh_q, dh_s, *w1_mx, ends, grad_x, 32),
+        ),
+    }
+    # the expanded kernels' bits against the folded weights' product (pool rows past the last
+    # expert's end are not written, so only the routed rows compare)
+    rows = int(ends[-1])
+    same = {}
+    for name in ("mxfp4 expanded in smem", "mxfp4 expanded in smem by every warpgroup"):
+        ok = True
+        for i, dst in enumerate((grad_act, grad_x)):
+            paths["mxfp4 folded to e4m3, CUTLASS"][i]()
+            want = dst[:rows].clone()
+            paths[name][i]()
+            ok = ok and torch.equal(dst[:rows], want)
+        same[name] = "same bits as folded" if ok else "OTHER BITS than folded"
+    flops = 2.0 * useful * H * I  # each dgrad: L2's N x K = I x H, L1's = H x 2I (twice)
+    fl2, fl1 = flops, 2 * flops
+    floor = 0.0
+    for f, wbytes, a_bytes, out_bytes in (
+        (fl2, G * I * H, useful * H, useful * I * 2),
+        (fl1, G * H * 2 * I, useful * 2 * I, useful * H * 2),
+    ):
+        floor += max(f / (fp8_rate * 1e12), (wbytes + a_bytes + out_bytes) / hbm) * 1e3
+    lines = []
+    for name, (l2, l1) in paths.items():
+        t2, t1 = median_ms(l2, iters=20, warmup=3), median_ms(l1, iters=20, warmup=3)
+        lines.append(
+            f"| {shape} | {G} | {useful} | {P} | {name} | {t2:.3f} ({fl2 / t2 / 1e9:.0f}) | "
+            f"{t1:.3f} ({fl1 / t1 / 1e9:.0f}) | {t1 + t2:.3f} | {floor:.3f} | {same.get(name, '')} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="S1,S4,S2,P,proxy16")
     p.add_argument("--ep", type=int, default=1, help="the rank's pool as at this expert parallelism")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument(
+        "--gemms",
+        default="fwd",
+        help="comma list: fwd (the forward's expert MLP, every schedule), dgrad (the two dgrads, fp8 and MX)",
+    )
     p.add_argument(
         "--once",
         action="store_true",
@@ -248,11 +337,21 @@ def main(argv=None) -> int:
         "agreement (rel. to split) |",
         "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | --- |",
     ]
-    print("\n".join(head), flush=True)
-    lines = list(head)
-    for shape in args.shapes.split(","):
-        lines += run_shape(shape, args.ep, fp8_rate, hbm, dev)
-        torch.cuda.empty_cache()
+    gemms = args.gemms.split(",")
+    print("\n".join(head[:2]), flush=True)
+    lines = head[:2]
+    if "fwd" in gemms:
+        print("\n".join(head[2:]), flush=True)
+        lines += head[2:]
+        for shape in args.shapes.split(","):
+            lines += run_shape(shape, args.ep, fp8_rate, hbm, dev)
+            torch.cuda.empty_cache()
+    if "dgrad" in gemms:
+        print("\n".join(DGRAD_HEAD), flush=True)
+        lines += DGRAD_HEAD
+        for shape in args.shapes.split(","):
+            lines += run_dgrad_shape(shape, args.ep, fp8_rate, hbm, dev)
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
