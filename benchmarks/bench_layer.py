@@ -366,6 +366,7 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     native_recipe = NATIVE_RECIPE[recipe]
     wq = native_moe.quantize_weights(w1.detach(), w2.detach()) if native_recipe == "fp8" else None
 
+    graphed = None
     if args.graphed:  # as the trainer runs it: captured at the first call, replayed after
         from megamoe_train.graphs import GraphedMegaMoE
 
@@ -503,7 +504,9 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     peak_gb = allreduce_max(torch.cuda.max_memory_allocated(device) / 1e9, device) if device.type == "cuda" else None
     wall_s = allreduce_max(time.perf_counter() - t_case, device)
     # the rank's expert weights as the kernels read them, every operand derived so far included
-    weight_mb = allreduce_max(transform_weights(w1, w2, cfg).resident_bytes() / 1e6, device)
+    prepared = graphed.prepared_weights if graphed is not None else None  # the graphs' own static copy
+    prepared = prepared or transform_weights(w1, w2, cfg)
+    weight_mb = allreduce_max(prepared.resident_bytes() / 1e6, device)
     for r in rows:
         r.update(peak_mem_gb=peak_gb, case_wall_s=wall_s, expert_weight_mb=weight_mb)
     log(
@@ -511,7 +514,7 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         f"  case wall {wall_s:.1f} s, peak memory {fmt(peak_gb, '.1f')} GB, expert weights as the kernels "
         f"read them {weight_mb:.1f} MB (max over ranks)",
     )
-    del x, idx, tw, w1, w2, grad_y, x_leaf, tw_leaf, wq, leaves
+    del x, idx, tw, w1, w2, grad_y, x_leaf, tw_leaf, wq, leaves, graphed, prepared
     buf.destroy()
     clear_weight_cache()
     free_memory(device)

@@ -145,6 +145,11 @@ class GraphedMegaMoE:
             prepared_weights=prepared,
         )
 
+    @property
+    def prepared_weights(self):
+        """The ExpertWeights the captured graphs read (quantized recipes, once captured), else None."""
+        return self._prepared
+
     def _quantizes_weights(self) -> bool:
         return self.buffer.config.precision.weight_format != "native"
 
