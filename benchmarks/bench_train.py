@@ -387,6 +387,12 @@ def main(argv=None) -> int:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    merged = []  # rows of earlier runs of the same recipe and steps, e.g. from another call: checked first
+    for path in args.merged:
+        with open(path) as f:
+            merged.append(json.load(f))
+        if merged[-1]["steps"] != args.steps or os.path.basename(merged[-1]["recipe"]) != os.path.basename(args.recipe):
+            p.error(f"--with {path}: {merged[-1]['recipe']} at {merged[-1]['steps']} steps, not this run's")
     warmup = min(5, args.steps // 4) if args.warmup is None else args.warmup
     profile_at = None
     if args.profile_steps > 0 and args.steps >= warmup + args.profile_steps + 1:
@@ -416,11 +422,7 @@ def main(argv=None) -> int:
         for key, n, tree in runs
     }
     rows = [analyze(results[key], warmup, untimed) for key, n, _ in runs]
-    for path in args.merged:  # rows of earlier runs of the same recipe and steps, e.g. from another call
-        with open(path) as f:
-            earlier = json.load(f)
-        if earlier["steps"] != args.steps or os.path.basename(earlier["recipe"]) != os.path.basename(args.recipe):
-            p.error(f"--with {path}: {earlier['recipe']} at {earlier['steps']} steps, not this run's")
+    for earlier in merged:
         for r in earlier["rows"]:  # a variant run again here keeps both rows
             rows.append(r | {"variant": f"{r['variant']} (earlier)"} if r["variant"] in results else r)
     reference = args.reference if args.repeat == 1 else f"{args.reference}#1"
