@@ -1,4 +1,7 @@
-"""The C++ buffer layout against a plain-Python statement of the same rules, and its size."""
+"""The C++ buffer layout against a plain-Python statement of the same rules, and its size; the
+host extension's ordered barrier-word store and load."""
+
+import ctypes
 
 import pytest
 import torch
@@ -99,3 +102,22 @@ def test_layout_rejects_bad_spec():
         _C.buffer_layout(dict(spec, act_block=7))
     with pytest.raises(ValueError, match="num_experts"):
         buffer_layout(cfg, 3)  # 8 experts over 3 ranks
+
+
+def test_barrier_word_store_release_load_acquire():
+    from megamoe_train import _C
+
+    words = (ctypes.c_int64 * 2)()
+    at = ctypes.addressof(words)
+    for value in (7, -(2**63), 2**63 - 1):
+        _C.store_release_i64(at + 8, value)
+        assert _C.load_acquire_i64(at + 8) == value == words[1]
+    assert words[0] == 0  # the neighbouring word is untouched
+    for bad in (at + 4, at + 1):
+        with pytest.raises(ValueError, match="not 8-byte aligned"):
+            _C.store_release_i64(bad, 1)
+        with pytest.raises(ValueError, match="not 8-byte aligned"):
+            _C.load_acquire_i64(bad)
+    with pytest.raises(ValueError, match="null"):
+        _C.load_acquire_i64(0)
+    assert list(words) == [0, 2**63 - 1]  # a refused store writes nothing

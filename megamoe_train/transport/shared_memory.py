@@ -1,9 +1,12 @@
 """The CPU transport: every rank's buffer is a file in /dev/shm that every process of the group
 maps, so the very same pull/push protocol runs between real processes. Barriers poll counters
-in the files' headers (the words the CUDA device barrier keeps in device memory)."""
+in the files' headers (the words the CUDA device barrier keeps in device memory). The count and
+the failure mark are stored with release and loaded with acquire semantics (`_C`): a peer that
+sees them sees every row written before them, on weakly ordered CPUs (ARM) too."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import mmap
 import os
@@ -14,6 +17,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from ..errors import MegaMoEPeerError
 from ..faults import describe_failure_mark, describe_tag, name_ranks
 from .base import NUM_WAIT_SITES, StatusExchange
@@ -69,6 +73,7 @@ class SharedMemoryPeers:
         self.arrived = 0
         self.wait_ns = torch.zeros(NUM_WAIT_SITES, dtype=torch.int64)  # host time barriers waited for peers, per site
         self.maps, self.headers, self.peers = [], [], []
+        self.arrived_at, self.failed_at = [], []  # addresses of each rank's _ARRIVED and _FAILED words
         token = _agree_token(group, self.rank, timeout_s)
         paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
         try:
@@ -128,6 +133,9 @@ class SharedMemoryPeers:
             time.sleep(1e-3)
         self.maps = maps
         self.headers = [memoryview(m)[:_HEADER_BYTES].cast("q") for m in maps]
+        starts = [_address(m) for m in maps]
+        self.arrived_at = [a + 8 * _ARRIVED for a in starts]
+        self.failed_at = [a + 8 * _FAILED for a in starts]
 
     def _compare(self, description: str):
         texts = []
@@ -158,23 +166,26 @@ class SharedMemoryPeers:
         me = self.headers[self.rank]
         self.arrived += 1
         n = self.arrived
+        # The tag may be a plain store: the count's release store below publishes it (with this
+        # rank's rows) and peers read it only after their acquire load has seen the count.
         me[_TAG + n % 2] = tag
-        me[_ARRIVED] = n  # after the tag: x86 keeps stores in order, and a peer reads the count first
+        _C.store_release_i64(self.arrived_at[self.rank], n)
         pending = [r for r in range(self.world) if r != self.rank]
         deadline, polls, start = None, 0, time.monotonic_ns()
         while pending:
             waiting = []
             for r in pending:
-                h = self.headers[r]
-                if h[_ARRIVED] >= n:  # a peer is at most one barrier ahead: slot n % 2 is still barrier n's
-                    if h[_TAG + n % 2] != tag:
+                # a peer is at most one barrier ahead: slot n % 2 is still barrier n's
+                if _C.load_acquire_i64(self.arrived_at[r]) >= n:
+                    peer_tag = self.headers[r][_TAG + n % 2]
+                    if peer_tag != tag:
                         raise MegaMoEPeerError(
-                            f"rank {self.rank} at {describe_tag(tag)} met rank {r} at {describe_tag(h[_TAG + n % 2])}: "
+                            f"rank {self.rank} at {describe_tag(tag)} met rank {r} at {describe_tag(peer_tag)}: "
                             "the ranks are out of step"
                         )
-                elif h[_FAILED]:
+                elif failed := _C.load_acquire_i64(self.failed_at[r]):
                     raise MegaMoEPeerError(
-                        f"rank {r} failed in {describe_failure_mark(h[_FAILED])} and left the protocol "
+                        f"rank {r} failed in {describe_failure_mark(failed)} and left the protocol "
                         f"(rank {self.rank} was waiting at "
                         f"{describe_tag(tag)})"
                     )
@@ -201,11 +212,12 @@ class SharedMemoryPeers:
 
     def mark_failed(self, tag: int):
         """Tell the peers (waiting at a barrier) that this rank left the protocol in call `tag // 4`."""
-        if self.headers and not self.headers[self.rank][_FAILED]:
-            self.headers[self.rank][_FAILED] = tag + 1
+        if self.failed_at and not _C.load_acquire_i64(self.failed_at[self.rank]):
+            _C.store_release_i64(self.failed_at[self.rank], tag + 1)
 
     def close(self):
         self.peers = []
+        self.arrived_at, self.failed_at = [], []  # unmapped below: never to be touched again
         for h in self.headers:
             h.release()
         self.headers = []
@@ -215,6 +227,12 @@ class SharedMemoryPeers:
             except BufferError:  # a view is still alive somewhere; the OS frees it at exit
                 pass
         self.maps = []
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where a mapping starts. The ctypes view is dropped at once: its buffer export would keep
+    close() from unmapping the file."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
 def _unlink(path: str):
