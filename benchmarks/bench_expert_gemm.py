@@ -45,6 +45,18 @@ def mx_operands(w, experts_per_pass: int = 32):
     return (packed, *mx_weight_shifts(scales)), folded
 
 
+def same_bits(checks, rows: int) -> bool:
+    """Whether each (fn, reference_fn, dst) writes the same bits into dst's first `rows` rows as
+    its reference (rows past the last expert's end are not written)."""
+    same = True
+    for fn, reference_fn, dst in checks:
+        reference_fn()
+        want = dst[:rows].clone()
+        fn()
+        same = same and torch.equal(dst[:rows], want)
+    return same
+
+
 def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool = False) -> list[str]:
     E, topk, H, I, T = SHAPES[shape]
     sizes, useful = pool_sizes(shape, ep, routed=True)
@@ -123,18 +135,10 @@ def run_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev, once: bool 
     err_h = float((h[:rows].float() - ref_h[:rows].float()).norm() / ref_h[:rows].float().norm())
     err_out = float((out[:rows].float() - ref_out[:rows].float()).norm() / ref_out[:rows].float().norm())
     del ref_h, ref_out
-    mx_same = True  # the E2M1 kernel's bits equal the folded weights' product
-    for mx_fn, folded_fn, dst in (
-        (mx_l1, folded_l1, h),
-        (mx_l2, folded_l2, out),
-        (mx_shared_l1, folded_l1, h),
-        (mx_shared_l2, folded_l2, out),
-    ):
-        folded_fn()
-        want = dst[:rows].clone()
-        mx_fn()
-        mx_same = mx_same and torch.equal(dst[:rows], want)
-        del want
+    mx_same = same_bits(  # the E2M1 kernel's bits equal the folded weights' product
+        ((mx_l1, folded_l1, h), (mx_l2, folded_l2, out), (mx_shared_l1, folded_l1, h), (mx_shared_l2, folded_l2, out)),
+        rows,
+    )
 
     # variants (csrc/cuda/expert_gemm.h): 0 the staged schedule with CTA pairs (SwiGLU deferred
     # into passes), 8 its SwiGLU epilogue in place, 1 without pairs, 4 with pairs but the math
@@ -273,16 +277,13 @@ def run_dgrad_shape(shape: str, ep: int, fp8_rate: float, hbm: float, dev) -> li
     }
     # the expanded kernels' bits against the folded weights' product (pool rows past the last
     # expert's end are not written, so only the routed rows compare)
-    rows = int(ends[-1])
-    same = {}
-    for name in ("mxfp4 expanded in smem", "mxfp4 expanded in smem by every warpgroup"):
-        ok = True
-        for i, dst in enumerate((grad_act, grad_x)):
-            paths["mxfp4 folded to e4m3, CUTLASS"][i]()
-            want = dst[:rows].clone()
-            paths[name][i]()
-            ok = ok and torch.equal(dst[:rows], want)
-        same[name] = "same bits as folded" if ok else "OTHER BITS than folded"
+    rows, folded = int(ends[-1]), paths["mxfp4 folded to e4m3, CUTLASS"]
+    same = {
+        name: "same bits as folded"
+        if same_bits(((paths[name][i], folded[i], dst) for i, dst in enumerate((grad_act, grad_x))), rows)
+        else "OTHER BITS than folded"
+        for name in ("mxfp4 expanded in smem", "mxfp4 expanded in smem by every warpgroup")
+    }
     flops = 2.0 * useful * H * I  # each dgrad: L2's N x K = I x H, L1's = H x 2I (twice)
     fl2, fl1 = flops, 2 * flops
     floor = 0.0

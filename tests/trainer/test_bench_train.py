@@ -15,6 +15,19 @@ pytest.importorskip("megatron.core")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def run_bench_train(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    """bench_train.py's command line in a subprocess with this checkout first on the path; it must succeed."""
+    proc = subprocess.run(
+        args,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_bench_train_cpu(tmp_path):
     small = {
         "model.num_layers": 2,
@@ -38,14 +51,7 @@ def test_bench_train_cpu(tmp_path):
     ]
     for k, v in small.items():
         args += ["--set", f"{k}={v}"]
-    proc = subprocess.run(
-        args,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench_train(args, cwd=ROOT)
     assert "| variant | tokens/s | MFU |" in proc.stdout
     out = json.load(open(tmp_path / "bench_train.json"))
     assert out["profiled_steps"] == [2, 3]
@@ -69,14 +75,7 @@ def test_bench_train_cpu(tmp_path):
     args[args.index("--out") + 1] = str(later)
     args += ["--variants", "fp8", "--reference", "bf16", "--loss-tail", "3"]
     args += ["--with", str(tmp_path / "bench_train.json")]
-    proc = subprocess.run(
-        args,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench_train(args, cwd=ROOT)
     assert "last-3 mean loss" in proc.stdout and "vs bf16" in proc.stdout
     rows = {r["variant"]: r for r in json.load(open(later / "bench_train.json"))["rows"]}
     assert set(rows) == {"fp8", "bf16", "fp8 (earlier)", "stock"}
@@ -115,14 +114,7 @@ def test_bench_train_another_tree_and_repeats(tmp_path):
     ]
     for k, v in small.items():
         args += ["--set", f"{k}={v}"]
-    proc = subprocess.run(
-        args,
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_bench_train(args, cwd=str(tmp_path))
     rows = json.load(open(tmp_path / "bench_train.json"))["rows"]
     assert [r["variant"] for r in rows] == ["bf16#1", "bf16@other#1", "bf16#2", "bf16@other#2"]
     assert all(r["steps"] == 3 for r in rows)
