@@ -366,11 +366,14 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     native_recipe = NATIVE_RECIPE[recipe]
     wq = native_moe.quantize_weights(w1.detach(), w2.detach()) if native_recipe == "fp8" else None
 
+    if args.main_grad:  # as the trainer runs it: the expert wgrads added into fp32 main_grads by the GEMMs
+        for w in (w1, w2):
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
     graphed = None
     if args.graphed:  # as the trainer runs it: captured at the first call, replayed after
         from megamoe_train.graphs import GraphedMegaMoE
 
-        graphed = GraphedMegaMoE(buf, w1, w2, backend=args.backend or "auto")
+        graphed = GraphedMegaMoE(buf, w1, w2, backend=args.backend or "auto", fuse_wgrad_accumulation=True)
 
         def ours_fwd(xx, ww):
             return graphed(xx, idx, ww)
@@ -378,7 +381,7 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
     else:
 
         def ours_fwd(xx, ww):
-            return mega_moe(xx, idx, ww, w1, w2, buf, backend=args.backend)
+            return mega_moe(xx, idx, ww, w1, w2, buf, backend=args.backend, fuse_wgrad_accumulation=args.main_grad)
 
     def native_fwd(xx, ww):
         if native_recipe == "fp8":
@@ -483,7 +486,7 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
                 I=I,
                 T=T,
                 routing=routing,
-                recipe=recipe + (", graphed" if args.graphed else ""),
+                recipe=recipe + (", graphed" if args.graphed else ", main_grad" if args.main_grad else ""),
                 phase=phase,
                 ours_ms=o_ms,
                 native_ms=n_ms,
@@ -701,7 +704,14 @@ def parse_args(argv=None):
         action="store_true",
         help="time ours replayed from CUDA graphs (graphs.GraphedMegaMoE, as the trainer runs it), so the "
         "host's ~100 launches per call stay out of the GPU time; forward+backward only (a graphed layer's "
-        "forward must be followed by its backward); CUDA only",
+        "forward must be followed by its backward); CUDA only; implies --main-grad",
+    )
+    p.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="ours adds the expert weight gradients into fp32 main_grads (gradient-accumulation fusion, as the "
+        "trainer runs the layer) instead of returning bf16 .grad tensors; without it a graphed backward's "
+        "static weight gradients are copied into .grad (3 GB of traffic per call at P)",
     )
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPU count, or 2 on CPU)")
@@ -725,6 +735,7 @@ def parse_args(argv=None):
         args.backend = "auto" if args.device == "cuda" else "reference"
     if args.graphed and args.device != "cuda":
         p.error("--graphed: CUDA graphs need --device cuda")
+    args.main_grad = args.main_grad or args.graphed
     for s in args.shapes:
         if s not in SHAPES:
             p.error(f"--shapes: unknown {s!r}")

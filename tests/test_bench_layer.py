@@ -66,3 +66,19 @@ def test_every_recipe_has_a_baseline_and_tolerances():
         assert recipe == "bf16" or recipe in bl.TOL_VS_BF16
     with pytest.raises(SystemExit):
         bl.parse_args(["--recipes", "fp4"])
+
+
+def test_main_grad_run_on_cpu(tmp_path):
+    """--main-grad (the trainer's way: wgrads added into fp32 main_grads) runs end to end, checked
+    against torch-native, with the case labelled; two real gloo processes."""
+    import json
+    import subprocess
+
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--tiny", "--recipes", "bf16"]
+    cmd += ["--routing", "uniform", "--phases", "fwdbwd", "--main-grad", "--no-floor", "--iters", "3"]
+    cmd += ["--budget-s", "0.1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["cases"]
+    assert [(r["recipe"], r["phase"], r["verdict"]) for r in rows] == [("bf16, main_grad", "fwdbwd", "ok")]

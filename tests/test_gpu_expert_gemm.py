@@ -254,7 +254,8 @@ def test_mx_expands_to_the_folded_weights_bit_for_bit(sizes, n, k, variant):
     out = torch.full((aq.shape[0], n), float("nan"), dtype=torch.bfloat16, device=aq.device)
     cutlass_gemm.fp8_expert_gemm_mx(aq, a_s, packed, shifts, block_scales, ends, out, variant)
     ref = torch.full_like(out, float("nan"))
-    cutlass_gemm.fp8_expert_gemm(aq, a_s, folded, folded_scales, ends, ref, variant)
+    # bit 5 (the shared expansion) exists only on the E2M1 kernel: the same schedule without it
+    cutlass_gemm.fp8_expert_gemm(aq, a_s, folded, folded_scales, ends, ref, variant & ~32)
     live = int(ends[-1])
     assert torch.isnan(out[live:]).all(), "rows past the last group were written"
     assert not torch.isnan(out[:live]).any(), "rows of a group were left unwritten"
