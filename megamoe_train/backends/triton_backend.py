@@ -25,7 +25,7 @@
   SwiGLU kernel quantizes the L2 input the same way (MXFP8, folded); the weights are folded to e4m3
   with 128x128 scales once per weight version (ExpertWeights.mma_operands), or, with
   MEGAMOE_MX_GEMM=expanded, read as stored (4 bits a weight) and expanded in shared memory by our
-  expert GEMM (fp8_expert_gemm_mx, the same bits; 1.5-1.9x slower, docs/decisions.md). Its dgrads
+  expert GEMM (fp8_expert_gemm_mx, the same bits; 1.3-1.6x slower, docs/decisions.md). Its dgrads
   are quantized like fp8's, on the same GEMMs: dY quantized to MXFP8 and folded in its pull, dH by
   the SwiGLU backward, against the E2M1 copies of the transposed master weights
   (ExpertWeights.w2_t / w1_t, blocked along the dgrad's K), folded or read as stored like the
@@ -169,6 +169,11 @@ def _fp8_grouped_gemm(a, a_scales, b, b_scales, plan: Plan, out, block_m: int):
     return K_.grouped_gemm(a, b, plan.block_expert, out, a_scales, b_scales, block_m=block_m)
 
 
+# The expanded path's variant of fp8_expert_gemm_mx: + 32, the math warpgroups sharing the expansion
+# (1.1-1.2x faster than the converter warps alone at S1, same bits; docs/decisions.md).
+_MX_EXPANDED_VARIANT = 32
+
+
 def _mx_expanded(cfg, device: torch.device) -> bool:
     """The one place that picks the MX recipe's GEMMs: whether this call's read the E2M1 weights as
     stored (our expert GEMM, with MEGAMOE_MX_GEMM=expanded, where built); else CUTLASS fp8 on the
@@ -203,7 +208,7 @@ def _dgrad_gemm(cfg, weights: ExpertWeights, fc: int, a, a_scales, plan: Plan, o
     operands = _backward_weight_operands(cfg, weights, a.device)
     if _mx_expanded(cfg, a.device):  # w1_t's three, then w2_t's
         b = operands[:3] if fc == 1 else operands[3:]
-        return cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, plan.expert_ends, out)
+        return cutlass_gemm.fp8_expert_gemm_mx(a, a_scales, *b, plan.expert_ends, out, _MX_EXPANDED_VARIANT)
     b = operands[:2] if fc == 1 else operands[2:]  # w1_t, its scales, w2_t, its scales
     return _fp8_grouped_gemm(a, a_scales, *b, plan, out, align)
 
@@ -497,11 +502,15 @@ class TritonExecutor:
         P, H, I, dev = plan.pool_rows, cfg.hidden, cfg.intermediate, pool.x.device
         w1, w1_shifts, w1_scales, w2, w2_shifts, w2_scales = _forward_weight_operands(cfg, weights, dev)
         h = torch.empty(P, 2 * I, dtype=cfg.dtype, device=dev)
-        cutlass_gemm.fp8_expert_gemm_mx(pool.x, pool.x_scales, w1, w1_shifts, w1_scales, plan.expert_ends, h)
+        cutlass_gemm.fp8_expert_gemm_mx(
+            pool.x, pool.x_scales, w1, w1_shifts, w1_scales, plan.expert_ends, h, _MX_EXPANDED_VARIANT
+        )
         clamp = cfg.activation_clamp
         K_.swiglu_forward(h, pool.row_weights, act, act_scales, plan.num_rows, weights.chunk, clamp, mx=True)
         out = torch.empty(P, H, dtype=cfg.dtype, device=dev)
-        cutlass_gemm.fp8_expert_gemm_mx(act, act_scales, w2, w2_shifts, w2_scales, plan.expert_ends, out)
+        cutlass_gemm.fp8_expert_gemm_mx(
+            act, act_scales, w2, w2_shifts, w2_scales, plan.expert_ends, out, _MX_EXPANDED_VARIANT
+        )
         return out, TritonExpertState(pool.x, pool.x_scales, pool.row_weights, h, act, act_scales)
 
     def experts_backward(
