@@ -10,13 +10,13 @@ import torch
 # fixed by the call epoch, which all ranks share, never by when this rank's copy of the status
 # reached its host (that differs between ranks: raising "once arrived", one rank could raise a
 # call earlier than its peer and leave the peer waiting in the next barrier). Forward and
-# backward calls both count. Why 2: the copy is enqueued behind call n's last barrier, and the
-# host starts call n + 2 only after enqueuing all of call n + 1, so a host-bound sequence (the
-# case where a wait would cost time) has long finished call n on the device, and a device-bound
-# one still has call n + 1 queued while the host waits: the device does not idle. At 1 the host
-# would wait for call n with only the work between the two calls queued. Larger only reports
-# later; at 2 a model with one MoE layer raises a forward's bad ids at its next forward.
-VERDICT_LAG = 2
+# backward calls both count. The copy is enqueued behind call n's last barrier, so a call that
+# starts before call n has finished on the device waits: the lag bounds how far the host may run
+# ahead of the device in eager calls. At 2 that is one call (with a model's dense layers between),
+# so a host pause of about one MoE call's GPU time would leave the device idle; 4 leaves three
+# calls of slack, and a call reports bad ids at most four calls later (with one MoE layer, two
+# training steps). Replayed CUDA graphs run no host code and never wait.
+VERDICT_LAG = 4
 
 
 @dataclass
