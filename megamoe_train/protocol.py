@@ -20,10 +20,13 @@ Backward mirrors it with the saved plan: publish dY, status exchange (its own ep
 expert backward, push one dX partial per (owner, token) and d(topk weight) per slot straight
 into the home's [T, K] region, barrier, reduce.
 
-Verdicts: executors that may read the device on the host (the oracle, and every executor on
-CPU) raise on every rank right after the exchange. The fast GPU executor keeps the host free
-(CUDA-graph capturable): a bad call moves no rows and is raised at a later call once its
-status has reached the host, or at once with MEGAMOE_SYNC_CHECKS=1.
+Verdicts: executors that may read the device on the host (the oracle) raise on every rank
+right after the exchange. The fast GPU executor keeps the host free (CUDA-graph capturable): a
+bad call n moves no rows, and every rank raises its verdict at the start of call
+n + VERDICT_LAG (call_state.py; forward and backward calls both count), a point all ranks share
+whenever the status reached each host; or at once with MEGAMOE_SYNC_CHECKS=1. A rank whose own
+input the host rejected (`problem`: it has no output to return) raises in call n itself, after
+the call's barriers, and at n + VERDICT_LAG with its peers.
 
 Failures: barriers carry the call and step (tag = epoch * 4 + step). A rank that raises anywhere
 else than at those agreed points (an unexpected host exception, a peer timeout) marks the buffer
@@ -78,8 +81,8 @@ class SavedForward:
 # ----------------------------------------------------------------------------- status
 
 
-def _sync_checks(buf: SymmBuffer, executor: Executor) -> bool:
-    if buf.device.type != "cuda" or executor.reads_device_on_host:
+def _sync_checks(executor: Executor) -> bool:
+    if executor.reads_device_on_host:
         return True
     return os.environ.get("MEGAMOE_SYNC_CHECKS", "0") not in ("", "0")
 
@@ -125,12 +128,16 @@ def _raise_on_mismatch(status: torch.Tensor, rank: int, deferred: bool):
 
 
 def _raise_deferred(buf: SymmBuffer):
-    ready = buf.call_state.ready()
-    for i, pending in enumerate(ready):
+    """At the start of every call, before it takes its epoch c: raise the deferred verdicts of
+    calls <= c - VERDICT_LAG, oldest first, the first bad one only; the rest stay pending for the
+    next call (which again starts as c: a call that raises here takes no epoch). Every rank runs
+    the same calls, so every rank raises the same verdict at the same point."""
+    due = buf.call_state.due(buf.call_state.call_count + 1)
+    for i, pending in enumerate(due):
         try:
             _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
         except BaseException:
-            buf.call_state.pending[:0] = ready[i + 1 :]  # later verdicts are raised at the next call, not lost
+            buf.call_state.pending[:0] = due[i + 1 :]  # later verdicts are raised at the next call, not lost
             raise
 
 
@@ -235,13 +242,13 @@ def forward(
 ):
     """One forward call. Returns (y [T, H] in config.dtype, SavedForward). With `problem` (this
     rank's input is bad, x etc. are None) it takes part in the exchange and raises. layer_id
-    names the caller in the status word (layers sharing a buffer must differ)."""
+    names the caller in the status word (layers sharing a buffer must differ). Starts by raising
+    the deferred verdicts now due (_raise_deferred)."""
     cfg = buf.config
     R, me, E_l = buf.world_size, buf.rank, buf.num_local_experts
     T = x.shape[0] if problem is None else 0
-    sync = _sync_checks(buf, executor)
-    if not sync:
-        _raise_deferred(buf)
+    sync = _sync_checks(executor)
+    _raise_deferred(buf)  # also with sync checks: verdicts deferred before MEGAMOE_SYNC_CHECKS was set
 
     # 1-2. Publish, exchange verdicts and call names (the first barrier).
     status, call, all_ok = _exchange_status(buf, _publish(executor, buf, x, topk_idx, topk_weights, problem), layer_id)
@@ -252,7 +259,9 @@ def forward(
         _raise_on_bad_status(host_status, me, call, deferred=False)
     elif problem is not None:  # peers route nothing this call; finish its barriers, then raise
         buf.barrier(call * 4 + BARRIER_PUSHED, wait_site=_wait_site(False, BARRIER_PUSHED))
-        buf.call_state.defer(status, call)  # like its peers, this rank reports it again at the next call
+        # Peers learn of it only at call + VERDICT_LAG: this rank raises it there too, so that
+        # every rank raises at that call (a rank that did not would go on into its barrier alone).
+        buf.call_state.defer(status, call)
         raise MegaMoEInputError(f"mega_moe (rank {me}): {problem}")
 
     # Shared experts fill this rank's own partial row (index R), which no peer writes.
@@ -313,9 +322,11 @@ def backward(
     expert weight gradients in fp32 or the compute dtype, fc1's in master order [gate; up]. With
     wgrad_targets (w1's, w2's main_grad.WgradTarget: tensors of the weights' shapes) the expert
     weight gradients go into those instead (added, or written over), and grad_w1, grad_w2 are
-    None."""
+    None. Like forward, starts by raising the deferred verdicts now due (a backward is a call of
+    the epoch count, so the call n + VERDICT_LAG that raises call n's verdict may be one)."""
     cfg = buf.config
     R, T = buf.world_size, saved.num_tokens
+    _raise_deferred(buf)  # before the publish: a call that raises here writes nothing
 
     # 1. Publish dY; the shared experts' backward overlaps and fills this rank's own partial row.
     buf.regions().grad_y[:T].copy_(grad_y)
@@ -330,7 +341,7 @@ def backward(
         grad_shared = _run_shared(buf, shared_grads, saved.x, shared[0], shared[1], saved.shared_pre_act, grad_y)
     ok = torch.full((), STATUS_OK, dtype=torch.int32, device=buf.device)
     status, call, all_ok = _exchange_status(buf, ok, saved.layer_id, forward_call=saved.call)
-    sync = _sync_checks(buf, executor)
+    sync = _sync_checks(executor)
     if sync:  # a rank that skipped this backward, or runs another, raises with its peers
         _raise_on_mismatch(status.cpu(), buf.rank, deferred=False)
 
@@ -345,7 +356,7 @@ def backward(
     buf.barrier(call * 4 + BARRIER_PUSHED, wait_site=_wait_site(True, BARRIER_PUSHED))
 
     # 5. Reduce; masked slots get no weight gradient. Without sync checks a mismatched call reads
-    # no partials (and is raised at a later call); its expert weight gradients are not masked.
+    # no partials (and is raised at call + VERDICT_LAG); its expert weight gradients are not masked.
     partial_mask, own_mask = saved.partial_mask, saved.own_mask
     if not sync:
         partial_mask, own_mask = partial_mask & all_ok, own_mask & all_ok

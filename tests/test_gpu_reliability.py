@@ -22,6 +22,7 @@ from megamoe_train import (
     get_symm_buffer,
     mega_moe,
 )
+from megamoe_train.call_state import VERDICT_LAG
 
 pytestmark = pytest.mark.gpu
 
@@ -37,12 +38,17 @@ def layers_in_different_orders(rank, world, backend):
     if backend == "reference":  # reads verdicts on the host: raises in the very call
         with pytest.raises(MegaMoECallMismatchError, match="different calls"):
             order[0](x, idx, tw)
-    else:  # host-free: that call moves no rows; the next call raises it on every rank
+    else:  # host-free: call n moves no rows; every rank raises it at the start of call n + VERDICT_LAG
+        n = first.buffer.call_state.call_count + 1
         y = order[0](x, idx, tw)
         torch.cuda.synchronize()
         assert y.abs().max() == 0
-        with pytest.raises(MegaMoECallMismatchError, match="different calls"):
-            order[1](x, idx, tw)
+        for _ in range(VERDICT_LAG - 1):  # calls in step between them run
+            assert first(x, idx, tw).abs().max() > 0
+        with pytest.raises(MegaMoECallMismatchError, match=rf"different calls.*\(call {n}\)"):
+            first(x, idx, tw)
+        assert first.buffer.call_state.call_count == n + VERDICT_LAG - 1  # the raising call took no epoch
+        assert first(x, idx, tw).abs().max() > 0  # and the buffer serves the next call
     first.buffer.destroy()
 
 

@@ -16,6 +16,7 @@ from poison import poisoned
 from test_mega_moe_dist import make_problem, rel_err, run_against_dense
 
 from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
+from megamoe_train.call_state import VERDICT_LAG
 
 pytestmark = pytest.mark.gpu
 
@@ -131,14 +132,20 @@ def bad_ids_sync_then_deferred(rank, world):
     finally:
         del os.environ["MEGAMOE_SYNC_CHECKS"]
     good_call()
-    # Deferred (default): the bad call routes nothing; the next call raises on every rank.
+    # Deferred (default): bad call n routes nothing; every rank raises it at call n + VERDICT_LAG,
+    # the calls between running normally.
+    n = buf.call_state.call_count + 1
     y = mega_moe(x, bad_idx, tw, w1, w2, buf, backend="triton")
     torch.cuda.synchronize()
     assert not y.float().abs().max() > 0  # no routed rows moved, no shared experts: all zero
-    with pytest.raises(MegaMoEInputError, match="rejected"):
+    for _ in range(VERDICT_LAG - 1):
+        good_call()
+    with pytest.raises(MegaMoEInputError, match=rf"call {n}\): .*rank\(s\) \[{world - 1}\] rejected"):
         mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
     good_call()
-    # A host-visible problem on one rank: that rank raises, peers see it at once or next call.
+    # A host-visible problem on one rank: that rank raises in call n, its peers' call n returns;
+    # every rank, that one too, raises call n's verdict at call n + VERDICT_LAG.
+    n = buf.call_state.call_count + 1
     if rank == world - 1:
         with pytest.raises(MegaMoEInputError, match="num_max_tokens_per_rank"):
             big = cfg.num_max_tokens_per_rank + 1
@@ -154,12 +161,10 @@ def bad_ids_sync_then_deferred(rank, world):
     else:
         mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
     torch.cuda.synchronize()
-    if rank != world - 1:
-        with pytest.raises(MegaMoEInputError, match="rejected"):
-            mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
-    else:
-        with pytest.raises(MegaMoEInputError, match="rejected"):  # its own earlier verdict is reported too
-            mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
+    for _ in range(VERDICT_LAG - 1):
+        good_call()
+    with pytest.raises(MegaMoEInputError, match=rf"call {n}\): .*rank\(s\) \[{world - 1}\] rejected"):
+        mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
     good_call()
 
 

@@ -1,7 +1,7 @@
 """Edge cases of the protocol's bookkeeping and failure handling, on real CPU processes: call
-counters past the int32 status words, deferred verdicts of several calls arriving together, a rank
-failing outside a protocol step (its weight transform) or before its exchange (its publish), and
-prepared weights of another width or dtype."""
+counters past the int32 status words, a rank failing outside a protocol step (its weight
+transform) or before its exchange (its publish), and prepared weights of another width or dtype.
+Deferred verdicts (several due together among them): tests/test_deferred_verdicts.py."""
 
 from __future__ import annotations
 
@@ -69,29 +69,6 @@ def prepared_weights_of_another_shape(rank, world, what):
 @pytest.mark.parametrize("what", ["intermediate", "dtype"])
 def test_prepared_weights_of_another_shape_are_bad_input(rank_pools, what):
     rank_pools(2).run(prepared_weights_of_another_shape, what)
-
-
-def test_deferred_verdicts_after_the_first_bad_one_are_not_lost(monkeypatch):
-    """_raise_deferred raises the first bad verdict that reached the host; the verdicts of later
-    calls that arrived with it must be raised at the next call, not dropped."""
-    from types import SimpleNamespace
-
-    from megamoe_train import MegaMoECallMismatchError, protocol
-    from megamoe_train.call_state import BufferCallState, PendingVerdict
-    from megamoe_train.faults import STATUS_BAD, STATUS_OK
-
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    done = SimpleNamespace(query=lambda: True)
-    state = BufferCallState()
-    bad_input = torch.tensor([[STATUS_OK, 3, 1, 6], [STATUS_BAD, 3, 1, 6]], dtype=torch.int32)
-    mismatch = torch.tensor([[STATUS_OK, 4, 1, 7], [STATUS_OK, 4, 2, 8]], dtype=torch.int32)
-    state.pending += [PendingVerdict(done, bad_input, 3), PendingVerdict(done, mismatch, 4)]
-    buf = SimpleNamespace(call_state=state, rank=0)
-    with pytest.raises(MegaMoEInputError, match="call 3"):
-        protocol._raise_deferred(buf)
-    with pytest.raises(MegaMoECallMismatchError):
-        protocol._raise_deferred(buf)
-    protocol._raise_deferred(buf)  # each reported once
 
 
 def publish_fails_on_one_rank(rank, world):
