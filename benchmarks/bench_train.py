@@ -422,12 +422,23 @@ def main(argv=None) -> int:
         for key, n, tree in runs
     }
     rows = [analyze(results[key], warmup, untimed) for key, n, _ in runs]
-    for earlier in merged:
-        for r in earlier["rows"]:  # a variant run again here keeps both rows
-            rows.append(r | {"variant": f"{r['variant']} (earlier)"} if r["variant"] in results else r)
+    notes = []  # what differs in the earlier runs' rows
+    for path, earlier in zip(args.merged, merged):
+        for r in earlier["rows"]:
+            if r.get("error"):  # nothing to compare: say so instead of a row
+                notes.append(f"{r['variant']} of {path} left out: {r['error']}")
+                continue
+            if r["variant"] in results:  # a variant run again here keeps both rows
+                r = r | {"variant": f"{r['variant']} (earlier)"}
+            if earlier.get("overrides", []) != args.overrides:  # e.g. another micro-batch split of the step
+                r = r | {"overrides": earlier.get("overrides", [])}
+                notes.append(f"{r['variant']} ran with --set {' '.join(r['overrides']) or '(none)'} ({path})")
+            rows.append(r)
     reference = args.reference if args.repeat == 1 else f"{args.reference}#1"
     loss_agreement(rows, reference, args.loss_tail)
     table = markdown(rows, args.recipe, args.steps, reference, args.loss_tail)
+    if notes:
+        table += "\n" + "".join(f"- {n}\n" for n in notes)
     print(table, flush=True)
     out = {
         "recipe": args.recipe,

@@ -70,15 +70,24 @@ def test_bench_train_cpu(tmp_path):
         assert rows[name]["loss_max_rel_diff"] < 1e-2
         assert abs(rows[name]["loss_tail_mean_rel_diff"]) < 1e-2
 
-    # a later call's variant joins the earlier rows (--with), compared with one of them
+    # a later call's variant joins the earlier rows (--with), compared with one of them; an earlier
+    # row that failed is left out with a note, and rows run with other overrides say which
+    earlier = dict(out, overrides=out["overrides"] + ["train.grad_accum_steps=1"])
+    earlier["rows"] = [
+        r | {"error": "megamoe-train exited with 1"} if r["variant"] == "stock" else r for r in out["rows"]
+    ]
+    json.dump(earlier, open(tmp_path / "earlier.json", "w"))
     later = tmp_path / "later"
     args[args.index("--out") + 1] = str(later)
     args += ["--variants", "fp8", "--reference", "bf16", "--loss-tail", "3"]
-    args += ["--with", str(tmp_path / "bench_train.json")]
+    args += ["--with", str(tmp_path / "earlier.json")]
     proc = run_bench_train(args, cwd=ROOT)
     assert "last-3 mean loss" in proc.stdout and "vs bf16" in proc.stdout
+    assert "- stock of " in proc.stdout and "left out: megamoe-train exited with 1" in proc.stdout
+    assert "- bf16 ran with --set " in proc.stdout and "train.grad_accum_steps=1" in proc.stdout
     rows = {r["variant"]: r for r in json.load(open(later / "bench_train.json"))["rows"]}
-    assert set(rows) == {"fp8", "bf16", "fp8 (earlier)", "stock"}
+    assert set(rows) == {"fp8", "bf16", "fp8 (earlier)"}
+    assert rows["bf16"]["overrides"] == earlier["overrides"] and "overrides" not in rows["fp8"]
     assert rows["fp8"]["losses"] == rows["fp8 (earlier)"]["losses"]  # same code, seed and data
     assert rows["fp8"]["loss_reference"] == "bf16" and "loss_reference" not in rows["bf16"]
 
