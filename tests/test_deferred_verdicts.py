@@ -74,6 +74,14 @@ def _inputs(rank, world, seed=7):
     return cfg, prob, prob["w1"][mine], prob["w2"][mine]
 
 
+def _rank_case(rank, world, seed):
+    """This rank's share of a fresh problem: (cfg, w1, w2, buffer, x, idx, tw, the dense output)."""
+    cfg, prob, w1, w2 = _inputs(rank, world, seed)
+    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
+    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
+    return cfg, w1, w2, buf, x, idx, tw, dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)
+
+
 def _bad_ids(idx, cfg, seed):
     """idx with one slot, at a random place, holding an expert id past the last."""
     g = torch.Generator().manual_seed(seed)
@@ -110,10 +118,7 @@ def _forward_calls(buf, count, x, idx, tw, w1, w2, y_ref):
 
 
 def bad_ids_on_rank_1(rank, world, late_rank):
-    cfg, prob, w1, w2 = _inputs(rank, world)
-    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
-    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
-    y_ref = dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)
+    cfg, w1, w2, buf, x, idx, tw, y_ref = _rank_case(rank, world, seed=7)
     with deferring(buf, late_copies=rank == late_rank):
         assert not _forward_calls(buf, 1, x, idx, tw, w1, w2, y_ref)
         n = buf.call_state.call_count + 1
@@ -141,10 +146,7 @@ def test_bad_ids_raise_at_the_same_later_call_on_every_rank(rank_pools, late_ran
 
 def two_bad_calls(rank, world):
     """Rank 1's ids bad at call n, rank 0's at n + 1: each verdict raised at its own call."""
-    cfg, prob, w1, w2 = _inputs(rank, world, seed=8)
-    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
-    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
-    y_ref = dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)
+    cfg, w1, w2, buf, x, idx, tw, y_ref = _rank_case(rank, world, seed=8)
     with deferring(buf):
         n = buf.call_state.call_count + 1
         for bad_rank in (1, 0):  # calls n, n + 1
@@ -170,10 +172,7 @@ def too_many_tokens_on_rank_1(rank, world):
     """A problem this rank's host sees (too many tokens) is raised by that rank in its call n (it
     has no output to return); its peers learn of it from the status words, and every rank, the
     bad one included, raises call n's verdict at n + VERDICT_LAG."""
-    cfg, prob, w1, w2 = _inputs(rank, world, seed=9)
-    buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
-    x, idx, tw = prob["x"][rank], prob["idx"][rank], prob["w"][rank]
-    y_ref = dense_moe(x, idx, tw, prob["w1"], prob["w2"], cfg)
+    cfg, w1, w2, buf, x, idx, tw, y_ref = _rank_case(rank, world, seed=9)
     with deferring(buf):
         n = buf.call_state.call_count + 1
         if rank == 1:
@@ -202,7 +201,7 @@ def test_host_seen_problem_raised_at_once_by_its_rank_and_later_by_every_rank(ra
 def training_steps(rank, world, late_rank):
     """Steps of two layers sharing the buffer (forward A, forward B, backward B, backward A: four
     calls); rank 1's ids for A are bad in step 1. The verdict is raised at the same call on both
-    ranks (with VERDICT_LAG 2, B's backward of that step); the caller drops the step and goes on."""
+    ranks (with VERDICT_LAG 4, step 2's forward A); the caller drops that step and goes on."""
     cfg, prob, w1, w2 = _inputs(rank, world, seed=11)
     idx_b, tw_b = (make_problem(cfg, world, [19] * world, seed=12)[k][rank] for k in ("idx", "w"))
     buf = get_symm_buffer(None, cfg, timeout_s=TIMEOUT_S)
