@@ -5,6 +5,7 @@ from .config import MegaMoEConfig
 from .errors import MegaMoECallMismatchError, MegaMoEInputError, MegaMoEPeerError, MegaMoESlowPathWarning
 from .layer import MegaMoELayer
 from .precision import RECIPES, PrecisionRecipe
+from .protocol import raise_pending_verdicts
 from .symm_buffer import SymmBuffer, destroy_all_symm_buffers, get_symm_buffer, register_layer
 from .weights import ExpertWeights, transform_weights
 
@@ -22,6 +23,7 @@ __all__ = [
     "destroy_all_symm_buffers",
     "get_symm_buffer",
     "mega_moe",
+    "raise_pending_verdicts",
     "register_layer",
     "transform_weights",
 ]

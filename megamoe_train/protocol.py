@@ -44,10 +44,11 @@ from dataclasses import dataclass
 import torch
 
 from .backends.executor import Executor, ExpertState
+from .call_state import VERDICT_LAG
 from .errors import MegaMoECallMismatchError, MegaMoEInputError
 from .faults import STATUS_BAD, STATUS_OK, describe_word
 from .plan import Plan
-from .symm_buffer import NUM_WAIT_SITES, SymmBuffer
+from .symm_buffer import NUM_WAIT_SITES, SymmBuffer, live_symm_buffers
 from .weights import ExpertWeights
 
 _WORD_RANGE = 2**31  # status words are int32
@@ -127,18 +128,30 @@ def _raise_on_mismatch(status: torch.Tensor, rank: int, deferred: bool):
         )
 
 
-def _raise_deferred(buf: SymmBuffer):
+def _raise_deferred(buf: SymmBuffer, up_to: int | None = None):
     """At the start of every call, before it takes its epoch c: raise the deferred verdicts of
-    calls <= c - VERDICT_LAG, oldest first, the first bad one only; the rest stay pending for the
-    next call (which again starts as c: a call that raises here takes no epoch). Every rank runs
-    the same calls, so every rank raises the same verdict at the same point."""
-    due = buf.call_state.due(buf.call_state.call_count + 1)
+    calls <= c - VERDICT_LAG (or <= up_to), oldest first, the first bad one only; the rest stay
+    pending for the next call (which again starts as c: a call that raises here takes no epoch).
+    Every rank runs the same calls, so every rank raises the same verdict at the same point."""
+    at = buf.call_state.call_count + 1 if up_to is None else up_to + VERDICT_LAG
+    due = buf.call_state.due(at)
     for i, pending in enumerate(due):
         try:
             _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)
         except BaseException:
             buf.call_state.pending[:0] = due[i + 1 :]  # later verdicts are raised at the next call, not lost
             raise
+
+
+def raise_pending_verdicts(buffer: SymmBuffer | None = None) -> None:
+    """Raise now the deferred verdicts of every call made so far on `buffer` (default: every live
+    buffer, in the order they were created), waiting for their status copies: the first bad one
+    raises MegaMoEInputError or MegaMoECallMismatchError, and a further call raises the next one.
+    Calls raise a verdict VERDICT_LAG calls after its own, so those of a run's last calls would
+    otherwise never be raised. Call it on every rank at the same point in the program (e.g. after
+    the last training step), as any call of the layer; not while capturing a CUDA graph."""
+    for buf in [buffer] if buffer is not None else live_symm_buffers():
+        _raise_deferred(buf, up_to=buf.call_state.call_count)
 
 
 def _publish(executor: Executor, buf: SymmBuffer, x, topk_idx, topk_weights, problem) -> torch.Tensor:

@@ -293,6 +293,12 @@ def get_symm_buffer(group, config: MegaMoEConfig, *, device=None, timeout_s: flo
     return buf
 
 
+def live_symm_buffers() -> list[SymmBuffer]:
+    """The buffers get_symm_buffer made that are not destroyed, in the order they were made (the
+    same program order on every rank)."""
+    return [buf for buf in _BUFFERS.values() if buf.alive]
+
+
 def destroy_all_symm_buffers():
     for buf in list(_BUFFERS.values()):
         buf.destroy()

@@ -13,7 +13,14 @@ import torch
 from dense_moe import dense_moe
 from test_mega_moe_dist import BASE, make_problem, rel_err
 
-from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, protocol
+from megamoe_train import (
+    MegaMoEConfig,
+    MegaMoEInputError,
+    get_symm_buffer,
+    mega_moe,
+    protocol,
+    raise_pending_verdicts,
+)
 from megamoe_train.backends.reference import ReferenceExecutor
 from megamoe_train.call_state import VERDICT_LAG, BufferCallState, PendingVerdict
 from megamoe_train.faults import STATUS_BAD, STATUS_OK
@@ -238,6 +245,30 @@ def training_steps(rank, world, late_rank):
 @pytest.mark.parametrize("late_rank", [None, 1], ids=["copies_at_once", "rank_1_late"])
 def test_verdict_raised_in_a_backward_and_training_goes_on(rank_pools, late_rank):
     assert len(set(rank_pools(2).run(training_steps, late_rank))) == 1
+
+
+# ----------------------------------------------------------------------------- the end of a run
+
+
+def bad_ids_in_the_last_call(rank, world, late_rank):
+    """Rank 1's ids bad in the run's last call: no later call raises it; raise_pending_verdicts
+    does, on both ranks, once, whether or not the copies have landed."""
+    cfg, w1, w2, buf, x, idx, tw, y_ref = _rank_case(rank, world, seed=13)
+    with deferring(buf, late_copies=rank == late_rank):
+        assert not _forward_calls(buf, 2, x, idx, tw, w1, w2, y_ref)
+        n = buf.call_state.call_count + 1
+        mega_moe(x, _bad_ids(idx, cfg, seed=n) if rank == 1 else idx, tw, w1, w2, buf)  # call n: the last
+        with pytest.raises(MegaMoEInputError, match=rf"call {n}\).*rank\(s\) \[1\] rejected"):
+            raise_pending_verdicts()  # every live buffer
+        raise_pending_verdicts(buf)  # raised once: nothing left
+        assert buf.call_state.pending == [] and buf.call_state.call_count == n
+    buf.destroy()
+    return n
+
+
+@pytest.mark.parametrize("late_rank", [None, 1], ids=["copies_at_once", "rank_1_late"])
+def test_raise_pending_verdicts_at_the_end_of_a_run(rank_pools, late_rank):
+    assert len(set(rank_pools(2).run(bad_ids_in_the_last_call, late_rank))) == 1
 
 
 # ----------------------------------------------------------------------------- the bookkeeping alone
