@@ -15,7 +15,7 @@ from dense_moe import dense_moe
 from poison import poisoned
 from test_mega_moe_dist import make_problem, rel_err, run_against_dense
 
-from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe
+from megamoe_train import MegaMoEConfig, MegaMoEInputError, get_symm_buffer, mega_moe, raise_pending_verdicts
 from megamoe_train.call_state import VERDICT_LAG
 
 pytestmark = pytest.mark.gpu
@@ -166,6 +166,13 @@ def bad_ids_sync_then_deferred(rank, world):
     with pytest.raises(MegaMoEInputError, match=rf"call {n}\): .*rank\(s\) \[{world - 1}\] rejected"):
         mega_moe(x, idx, tw, w1, w2, buf, backend="triton")
     good_call()
+    # A run's last call: no later call raises its verdict; raise_pending_verdicts does, once.
+    n = buf.call_state.call_count + 1
+    mega_moe(x, bad_idx, tw, w1, w2, buf, backend="triton")
+    with pytest.raises(MegaMoEInputError, match=rf"call {n}\): .*rank\(s\) \[{world - 1}\] rejected"):
+        raise_pending_verdicts(buf)
+    raise_pending_verdicts(buf)
+    assert buf.call_state.pending == []
 
 
 @pytest.mark.parametrize("world", WORLDS)
