@@ -66,16 +66,16 @@ class BufferCallState:
         done.record()
         self.pending.append(PendingVerdict(done, host, call))
 
-    def due(self, call: int) -> list[PendingVerdict]:
-        """The verdicts to raise at the start of call `call`: those of calls <= call - VERDICT_LAG,
-        oldest first, each returned once and on the host (waiting for a copy not landed yet,
-        which is rare). Newer ones stay pending even where their copy has landed: when a verdict
-        is raised must not depend on this rank's timing. Nothing while a CUDA graph is being
-        captured (no host wait is allowed there; the verdicts are due at the next eager call)."""
+    def due(self, last_call: int) -> list[PendingVerdict]:
+        """The verdicts of calls <= last_call (call c - VERDICT_LAG at the start of call c), oldest
+        first, each returned once and on the host (waiting for a copy not landed yet, which is
+        rare). Newer ones stay pending even where their copy has landed: when a verdict is raised
+        must not depend on this rank's timing. Nothing while a CUDA graph is being captured (no
+        host wait is allowed there; the verdicts are due at the next eager call)."""
         out = []
         if self.pending and self.pending[0].done is not None and torch.cuda.is_current_stream_capturing():
             return out
-        while self.pending and self.pending[0].call <= call - VERDICT_LAG:
+        while self.pending and self.pending[0].call <= last_call:
             self.pending[0].wait()
             out.append(self.pending.pop(0))
         return out

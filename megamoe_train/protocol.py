@@ -133,8 +133,7 @@ def _raise_deferred(buf: SymmBuffer, up_to: int | None = None):
     calls <= c - VERDICT_LAG (or <= up_to), oldest first, the first bad one only; the rest stay
     pending for the next call (which again starts as c: a call that raises here takes no epoch).
     Every rank runs the same calls, so every rank raises the same verdict at the same point."""
-    at = buf.call_state.call_count + 1 if up_to is None else up_to + VERDICT_LAG
-    due = buf.call_state.due(at)
+    due = buf.call_state.due(buf.call_state.call_count + 1 - VERDICT_LAG if up_to is None else up_to)
     for i, pending in enumerate(due):
         try:
             _raise_on_bad_status(pending.status, buf.rank, pending.call, deferred=True)

@@ -290,11 +290,11 @@ def test_due_waits_for_late_copies_and_keeps_newer_ones(monkeypatch):
     for call, copy in copies.items():
         copy.landed = call != 11 - VERDICT_LAG  # the oldest one has not landed yet
         state.pending.append(PendingVerdict(copy, _words(call), call))
-    due = state.due(11)
+    due = state.due(11 - VERDICT_LAG)  # at the start of call 11
     assert [v.call for v in due] == [11 - VERDICT_LAG] and copies[11 - VERDICT_LAG].landed
     assert [v.call for v in state.pending] == list(range(12 - VERDICT_LAG, 11))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert state.due(20) == [] and len(state.pending) == VERDICT_LAG - 1  # no host wait inside a capture
+    assert state.due(20 - VERDICT_LAG) == [] and len(state.pending) == VERDICT_LAG - 1  # no host wait inside a capture
 
 
 def test_due_verdicts_after_the_first_bad_one_are_not_lost():
