@@ -421,7 +421,8 @@ def main(argv=None) -> int:
         )
         for key, n, tree in runs
     }
-    rows = [analyze(results[key], warmup, untimed) for key, n, _ in runs]
+    # each row keeps its own overrides, so a later call's --with knows how every row ran
+    rows = [analyze(results[key], warmup, untimed) | {"overrides": args.overrides} for key, n, _ in runs]
     notes = []  # what differs in the earlier runs' rows
     for path, earlier in zip(args.merged, merged):
         for r in earlier["rows"]:
@@ -430,8 +431,9 @@ def main(argv=None) -> int:
                 continue
             if r["variant"] in results:  # a variant run again here keeps both rows
                 r = r | {"variant": f"{r['variant']} (earlier)"}
-            if earlier.get("overrides", []) != args.overrides:  # e.g. another micro-batch split of the step
-                r = r | {"overrides": earlier.get("overrides", [])}
+            # a row's own overrides (it may have joined that file by --with itself), else its file's
+            r = r | {"overrides": r.get("overrides", earlier.get("overrides", []))}
+            if r["overrides"] != args.overrides:  # e.g. another micro-batch split of the step
                 notes.append(f"{r['variant']} ran with --set {' '.join(r['overrides']) or '(none)'} ({path})")
             rows.append(r)
     reference = args.reference if args.repeat == 1 else f"{args.reference}#1"
