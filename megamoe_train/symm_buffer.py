@@ -46,8 +46,8 @@ class BufferRegions:
 def check_fits(config: MegaMoEConfig, layout: BufferLayout, needed: int, free: int, device) -> None:
     """Raise a ValueError that says what drives the size when one rank's allocation of `needed`
     bytes (the layout's buffer and the transport's own area) exceeds the `free` bytes of `device`.
-    On CPU the /dev/shm files are not checked: peers' files take their space while ranks create
-    theirs, and the pages are only taken when written."""
+    CUDA only: on CPU the transport reserves each rank's /dev/shm file at its creation, and every
+    rank raises where one rank's did not fit (transport/shared_memory.py)."""
     if needed <= free:
         return
     gib = 2**30

@@ -81,6 +81,40 @@ def test_barrier_fails_loudly_instead_of_hanging(rank_pools):
     rank_pools(2).close(force=True)  # the group saw a failed collective; next tests start afresh
 
 
+def no_room_in_dev_shm_on_rank_1(rank, world):
+    import errno
+    import os
+
+    import torch.distributed as dist
+
+    real = os.posix_fallocate
+
+    def fallocate(fd, offset, length):  # rank 1's /dev/shm is full
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    os.posix_fallocate = fallocate
+    try:
+        with pytest.raises(ValueError, match="/dev/shm has no room for a rank's buffer file") as err:
+            get_symm_buffer(None, MegaMoEConfig(**CFG), timeout_s=20)
+    finally:
+        os.posix_fallocate = real
+    dist.barrier()  # every rank's cleanup done
+    return str(err.value), glob.glob("/dev/shm/megamoe-*")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fallocate"), reason="files stay sparse without it")
+def test_no_room_in_dev_shm_is_refused_on_every_rank(rank_pools):
+    """A /dev/shm without room for a rank's file: that rank's creation finds it (the file's pages
+    reserved), and every rank raises the same error at once instead of a SIGBUS at a later write
+    or peers waiting out the timeout for the file; no file is left behind."""
+    for message, leftovers in rank_pools(2).run(no_room_in_dev_shm_on_rank_1):
+        assert "on rank 1: " in message and "rank 0:" not in message and "num_max_tokens_per_rank" in message
+        assert leftovers == []
+    assert rank_pools(2).run(peer_writes_are_visible) == [[]] * 2  # the group goes on
+
+
 # a buffer of 2^20 tokens of 4096 bf16 values: 16 GiB of combine rows per rank of the group
 HUGE = dict(CFG, hidden=4096, num_max_tokens_per_rank=1 << 20, dtype=torch.bfloat16)
 

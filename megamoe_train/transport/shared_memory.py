@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import errno
 import mmap
 import os
 import struct
@@ -62,6 +63,32 @@ def _agree_token(group, rank: int, timeout_s: float) -> str:
     return bytes(token.tolist()).hex()
 
 
+def _agree_room(group, rank: int, file_bytes: int, free: int | None, timeout_s: float) -> None:
+    """Every rank learns which ranks' /dev/shm had no room for their file (`free`: None where it
+    fit, else the bytes that were free there) and raises the same error, instead of the peers of
+    such a rank waiting out the timeout for its file."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([-1 if free is None else free], dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise MegaMoEPeerError(
+            f"SymmBuffer creation (rank {rank}): the group's check of /dev/shm room did not complete within "
+            f"{timeout_s}s ({e})"
+        ) from e
+    short = {r: int(t) for r, t in enumerate(gathered) if int(t) >= 0}
+    if short:
+        where = ", ".join(f"rank {r}: {f} bytes ({f / 2**30:.2f} GiB) free" for r, f in short.items())
+        raise ValueError(
+            f"SymmBuffer creation (rank {rank}): /dev/shm has no room for a rank's buffer file of {file_bytes} "
+            f"bytes ({file_bytes / 2**30:.2f} GiB) on {where}. Every rank of the group keeps one such file there. "
+            "Its size is num_max_tokens_per_rank times rows of hidden values (layout.py): lower "
+            "num_max_tokens_per_rank, or give /dev/shm more room (a container's --shm-size)"
+        )
+
+
 class SharedMemoryPeers:
     """CPU transport: every rank's buffer is a /dev/shm file mapped into every process. Barriers
     poll counters in the files' headers with a deadline, so the timeout holds on every rank and
@@ -77,7 +104,8 @@ class SharedMemoryPeers:
         token = _agree_token(group, self.rank, timeout_s)
         paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world)]
         try:
-            self._create(paths[self.rank], nbytes, description)
+            free = self._create(paths[self.rank], nbytes, description)
+            _agree_room(group, self.rank, _HEADER_BYTES + nbytes, free, timeout_s)
             self._map_all(paths)
             self.barrier(0)  # every rank mapped every file
             _unlink(paths[self.rank])  # mapped everywhere: nothing is left behind on exit
@@ -91,13 +119,29 @@ class SharedMemoryPeers:
             raise
         self.peers = [torch.frombuffer(m, dtype=torch.uint8)[_HEADER_BYTES:] for m in self.maps]
 
-    def _create(self, path: str, nbytes: int, description: str):
-        """Write the file under a temporary name, then rename: a peer sees it whole or not at all."""
+    def _create(self, path: str, nbytes: int, description: str) -> int | None:
+        """Write the file under a temporary name, then rename: a peer sees it whole or not at all.
+        Its pages are reserved here: a sparse file on a /dev/shm without room would fail only at
+        a later write, with SIGBUS. Returns None, or where /dev/shm has no room the bytes it had
+        free (the file removed), for `_agree_room` to raise on every rank."""
         text = description.encode()
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, _HEADER_BYTES + nbytes)  # zero-filled
+            if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the file stays sparse
+                try:
+                    os.posix_fallocate(fd, 0, _HEADER_BYTES + nbytes)
+                except OSError as e:
+                    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: sparse
+                        pass
+                    elif e.errno != errno.ENOSPC:
+                        raise
+                    else:
+                        os.ftruncate(fd, 0)  # what it took, back before measuring the room
+                        free = os.statvfs(os.path.dirname(tmp))
+                        _unlink(tmp)
+                        return free.f_bavail * free.f_frsize
             os.pwrite(fd, struct.pack("q", len(text)), _DESCRIPTION_LEN * 8)
             os.pwrite(fd, text[: _HEADER_BYTES - _DESCRIPTION_AT], _DESCRIPTION_AT)
             os.rename(tmp, path)
@@ -106,6 +150,7 @@ class SharedMemoryPeers:
             raise
         finally:
             os.close(fd)
+        return None
 
     def _map_all(self, paths):
         deadline = time.monotonic() + self.timeout_s
