@@ -38,6 +38,7 @@ NVCC_FLAGS = [
     "-fPIC",
     "--expt-relaxed-constexpr",
     "-gencode=arch=compute_90a,code=sm_90a",
+    "-lineinfo",  # source lines for Nsight Compute's per-line stalls; the code is the same without
 ]
 
 
