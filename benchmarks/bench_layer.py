@@ -19,7 +19,9 @@ Per (shape, routing, recipe) case it times, on the same inputs, each rank with t
             on the GPU machines)
   floor     max(GEMM FLOPs / dense GEMM rate, NVLink bytes / NVLink rate), per rank, max over
             ranks, with the rates measured at the start of the same run; NVLink bytes count one
-            row per unique (token, destination GPU), the physical minimum
+            row per unique (token, destination GPU), the physical minimum; with --main-grad
+            (and --graphed) forward+backward is at least the fp32 main_grads' read and write
+            (8 bytes per local expert parameter) at the HBM rate
 each for the forward (training forward, autograd enabled) and forward+backward; with --graphed,
 ours replayed from CUDA graphs as the trainer runs it (forward+backward only). Timing: CUDA
 events around every iteration, warmup, median, reported as the max over ranks; barriers between
@@ -290,7 +292,7 @@ def routing_stats(idx, E, world, device) -> dict:
     )
 
 
-def floor_ms(stats, H, I, recipe, rates) -> tuple[float | None, float | None, dict]:
+def floor_ms(stats, H, I, recipe, rates, main_grad_params: int = 0) -> tuple[float | None, float | None, dict]:
     """(fwd floor, fwd+bwd floor) in ms: over ranks, the max of max(GEMM time, NVLink time),
     i.e. perfect overlap of communication and compute on the busiest rank.
     GEMM: the FLOPs of the rows that rank's experts got, each GEMM pair at the dense 8192^3 rate
@@ -301,7 +303,10 @@ def floor_ms(stats, H, I, recipe, rates) -> tuple[float | None, float | None, di
     NVLink: the bytes of the busier direction of that GPU's link, at the peer-copy rate, counting
     one row per unique (token, destination rank), the physical minimum (a token's experts on one
     GPU share its row). Forward: dispatch rows in the activation format, combine rows in bf16;
-    backward: dY rows (dispatch direction) and dX rows (combine direction), both bf16."""
+    backward: dY rows (dispatch direction) and dX rows (combine direction), both bf16.
+    main_grad_params (--main-grad, --graphed): a rank's expert parameters whose weight gradients the
+    backward adds into fp32 main_grads, each read and written once (8 bytes) at the HBM rate: the
+    forward+backward floor is at least that, overlapped with the GEMMs at best."""
     from megamoe_train.precision import get_recipe
 
     spec = get_recipe(recipe)
@@ -327,11 +332,13 @@ def floor_ms(stats, H, I, recipe, rates) -> tuple[float | None, float | None, di
         gemm_fwd, gemm_all = max(gemm_fwd, g), max(gemm_all, g_all)
         link_fwd, link_all = max(link_fwd, lf), max(link_all, la)
         f_fwd, f_all = max(f_fwd, g, lf), max(f_all, g_all, la)
-    return (
-        f_fwd,
-        f_all,
-        dict(gemm_fwd_ms=gemm_fwd, gemm_fwdbwd_ms=gemm_all, nvlink_fwd_ms=link_fwd, nvlink_fwdbwd_ms=link_all),
-    )
+    detail = dict(gemm_fwd_ms=gemm_fwd, gemm_fwdbwd_ms=gemm_all, nvlink_fwd_ms=link_fwd, nvlink_fwdbwd_ms=link_all)
+    if main_grad_params:
+        if not rates.get("hbm_gbps"):
+            return f_fwd, None, detail
+        detail["main_grad_ms"] = 8.0 * main_grad_params / (rates["hbm_gbps"] * 1e9) * 1e3
+        f_all = max(f_all, detail["main_grad_ms"])
+    return f_fwd, f_all, detail
 
 
 # ----------------------------------------------------------------------------- one case
@@ -355,7 +362,9 @@ def run_case(rank, world, device, args, shape_name, routing, recipe, rates) -> l
         f"{stats['link_rows_total']}, busiest expert {stats['expert_max_over_mean']:.2f}x mean, "
         f"busiest rank {stats['rank_max_over_mean']:.2f}x mean",
     )
-    f_fwd, f_all, f_detail = floor_ms(stats, H, I, recipe, rates)
+    # --main-grad: every local expert's L1 [2I, H] and L2 [H, I] weight gradients added into fp32
+    main_grad_params = (E // world) * 3 * H * I if args.main_grad else 0
+    f_fwd, f_all, f_detail = floor_ms(stats, H, I, recipe, rates, main_grad_params)
     cfg = MegaMoEConfig(num_experts=E, hidden=H, intermediate=I, topk=K, num_max_tokens_per_rank=T, recipe=recipe)
     buf = get_symm_buffer(group, cfg, device=device)
     log(rank, f"  symmetric buffer per rank: {buf.nbytes / 1e6:.1f} MB")

@@ -55,6 +55,12 @@ def test_floor_counts():
         assert detail["nvlink_fwdbwd_ms"] == pytest.approx(link_all)
         assert f_fwd == pytest.approx(max(gemm, link_fwd))
         assert f_all == pytest.approx(max(gemm_all, link_all))
+        # the weight gradients added into fp32 main_grads: 8 bytes per parameter at the HBM rate
+        params = 10**9
+        f_fwd_mg, f_all_mg, detail = bl.floor_ms(stats, H, I, recipe, dict(rates, hbm_gbps=4000.0), params)
+        assert detail["main_grad_ms"] == pytest.approx(8e9 / 4000e9 * 1e3) and f_fwd_mg == pytest.approx(f_fwd)
+        assert f_all_mg == pytest.approx(max(gemm_all, link_all, 2.0))
+        assert bl.floor_ms(stats, H, I, recipe, dict(rates, hbm_gbps=None), params)[1] is None
 
 
 def test_every_recipe_has_a_baseline_and_tolerances():
