@@ -1,6 +1,7 @@
 """SymmBuffer on CPU: every rank's memory is really shared between the processes."""
 
 import glob
+import os
 
 import pytest
 import torch
@@ -83,7 +84,6 @@ def test_barrier_fails_loudly_instead_of_hanging(rank_pools):
 
 def no_room_in_dev_shm_on_rank_1(rank, world):
     import errno
-    import os
 
     import torch.distributed as dist
 
@@ -104,7 +104,7 @@ def no_room_in_dev_shm_on_rank_1(rank, world):
     return str(err.value), glob.glob("/dev/shm/megamoe-*")
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fallocate"), reason="files stay sparse without it")
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="files stay sparse without it")
 def test_no_room_in_dev_shm_is_refused_on_every_rank(rank_pools):
     """A /dev/shm without room for a rank's file: that rank's creation finds it (the file's pages
     reserved), and every rank raises the same error at once instead of a SIGBUS at a later write

@@ -133,15 +133,13 @@ class SharedMemoryPeers:
                 try:
                     os.posix_fallocate(fd, 0, _HEADER_BYTES + nbytes)
                 except OSError as e:
-                    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: sparse
-                        pass
-                    elif e.errno != errno.ENOSPC:
-                        raise
-                    else:
+                    if e.errno == errno.ENOSPC:
                         os.ftruncate(fd, 0)  # what it took, back before measuring the room
                         free = os.statvfs(os.path.dirname(tmp))
                         _unlink(tmp)
                         return free.f_bavail * free.f_frsize
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # else a file system without it: sparse
+                        raise
             os.pwrite(fd, struct.pack("q", len(text)), _DESCRIPTION_LEN * 8)
             os.pwrite(fd, text[: _HEADER_BYTES - _DESCRIPTION_AT], _DESCRIPTION_AT)
             os.rename(tmp, path)
